@@ -1,0 +1,1 @@
+"""Side-by-side quality and speed comparison of GGUF quants (arrives with the MC weights issue)."""

@@ -1,0 +1,1 @@
+"""The Tkinter launcher (arrives with its own issue)."""

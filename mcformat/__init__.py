@@ -1,0 +1,1 @@
+"""MC weights: GGUF files plus `mc.*` quality metadata, their builder and evaluation."""

@@ -1,0 +1,73 @@
+"""`megacapybara bench`: single-stream prefill and decode speed of a model on this machine."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+from orchestrator.backend import build_info, check_backend
+from orchestrator.llama import Batch, Context, ContextParams, Model
+
+
+def _prefill(ctx: Context, batch: Batch, tokens: list[int]) -> None:
+    for start in range(0, len(tokens), batch.capacity):
+        batch.clear()
+        for i, tok in enumerate(tokens[start : start + batch.capacity]):
+            batch.add(tok, start + i, 0, start + i == len(tokens) - 1)
+        ctx.decode(batch)
+
+
+def measure(model: Model, params: ContextParams, n_prompt: int, n_gen: int) -> dict:
+    """Prefill `n_prompt` tokens, then decode `n_gen` greedy-free (fixed token) steps; returns figures."""
+    tokens = (model.tokenize("The quick brown fox jumps over the lazy dog. ") * n_prompt)[:n_prompt]
+    with Context(model, params) as ctx, Batch(params.n_batch) as batch:
+        _prefill(ctx, batch, tokens[:8])  # warm-up: first-use allocations
+        ctx.clear()
+        t0 = time.perf_counter()
+        _prefill(ctx, batch, tokens)
+        t_prefill = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for i in range(n_gen):
+            batch.clear()
+            batch.add(tokens[i % len(tokens)], n_prompt + i, 0, True)
+            ctx.decode(batch)
+        t_decode = time.perf_counter() - t0
+    return {
+        "prompt_tokens": n_prompt,
+        "gen_tokens": n_gen,
+        "prefill_tok_s": n_prompt / t_prefill,
+        "decode_tok_s": n_gen / t_decode,
+        "decode_ms_per_token": 1000.0 * t_decode / n_gen,
+    }
+
+
+def run_bench(settings, resolved, n_prompt: int, n_gen: int, json_out: str | None) -> dict:
+    check_backend()
+    params = ContextParams(
+        n_ctx=max(settings.ctx, n_prompt + n_gen + 16),
+        n_batch=settings.batch,
+        n_threads=settings.threads,
+        flash_attn=settings.flash_attn,
+        cache_type_k=settings.cache_type_k,
+        cache_type_v=settings.cache_type_v,
+    )
+    with Model(resolved.path, settings.gpu_layers) as model:
+        figures = measure(model, params, n_prompt, n_gen)
+    info = build_info()
+    result = {
+        "model": resolved.name,
+        "backend": info.backend,
+        "patch_series": info.patch_series,
+        "machine": platform.node(),
+        "threads": settings.threads,
+        "date": time.strftime("%Y-%m-%d"),
+        **figures,
+    }
+    print(f"{'model':<16}{'prefill tok/s':>15}{'decode tok/s':>14}{'ms/token':>10}")
+    print(f"{resolved.name:<16}{figures['prefill_tok_s']:>15.1f}{figures['decode_tok_s']:>14.1f}"
+          f"{figures['decode_ms_per_token']:>10.2f}")  # fmt: skip
+    if json_out:
+        Path(json_out).write_text(json.dumps(result, indent=2))
+    return result

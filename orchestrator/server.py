@@ -1,0 +1,160 @@
+"""The HTTP face: an OpenAI-compatible Flask app over an Engine.
+
+Handlers only parse, `submit()`, and read the task's events from its reader; they never touch
+llama.cpp. A client that goes away mid-stream cancels its task.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from collections.abc import Iterator
+
+from flask import Flask, Response, jsonify, request
+from werkzeug.exceptions import HTTPException
+from werkzeug.serving import BaseWSGIServer, make_server
+
+from orchestrator import openai_api as api
+from orchestrator.engine import Engine, TaskReader
+from orchestrator.types import FinishEvent, InvalidRequest, TokenEvent
+
+log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_MAX_TOKENS = 512
+
+
+def create_app(engine: Engine, api_key: str = "") -> Flask:
+    """The Flask app serving `engine`; `api_key` non-empty requires `Authorization: Bearer`."""
+    app = Flask("megacapybara")
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+
+    @app.before_request
+    def _auth():
+        authorized = request.headers.get("Authorization", "") == f"Bearer {api_key}"
+        if api_key and request.path.startswith("/v1/") and not authorized:
+            return _error("missing or wrong API key (Authorization: Bearer <key>)", 401)
+        return None
+
+    @app.errorhandler(InvalidRequest)
+    def _invalid(exc: InvalidRequest):
+        return _error(str(exc), exc.status, exc.field)
+
+    @app.errorhandler(HTTPException)
+    def _http(exc: HTTPException):
+        if exc.code == 413:
+            return _error(f"request body is over {MAX_BODY_BYTES} bytes", 413)
+        return _error(exc.description or exc.name, exc.code or 500)
+
+    @app.get("/health")
+    def health():
+        return jsonify({"status": "ok", "model": engine.info.id})
+
+    @app.get("/v1/models")
+    def models():
+        info = engine.info
+        card = {"id": info.id, "object": "model", "created": info.created, "owned_by": "megacapybara"}
+        return jsonify({"object": "list", "data": [card]})
+
+    @app.post("/v1/chat/completions")
+    def chat_completions():
+        body = _json_body()
+        gen = api.chat_request(body, engine, DEFAULT_MAX_TOKENS)
+        reader = engine.submit(gen)
+        rid, model = api.new_id("chatcmpl"), engine.info.id
+        if body.get("stream"):
+            return _sse(_chat_stream(reader, rid, model, _include_usage(body)))
+        text, finish = reader.text()
+        return jsonify(api.chat_response(rid, model, text, finish))
+
+    @app.post("/v1/completions")
+    def completions():
+        body = _json_body()
+        reader = engine.submit(api.completion_request(body, engine, DEFAULT_MAX_TOKENS))
+        rid, model = api.new_id("cmpl"), engine.info.id
+        if body.get("stream"):
+            return _sse(_completion_stream(reader, rid, model))
+        text, finish = reader.text()
+        return jsonify(api.completion_response(rid, model, text, finish))
+
+    return app
+
+
+def _error(message: str, status: int, param: str | None = None) -> Response:
+    resp = jsonify(api.error_body(message, status, param))
+    resp.status_code = status
+    return resp
+
+
+def _json_body() -> dict:
+    try:
+        body = json.loads(request.get_data(cache=False) or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest("body", f"malformed JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("body", "must be a JSON object")
+    return body
+
+
+def _include_usage(body: dict) -> bool:
+    opts = body.get("stream_options")
+    return isinstance(opts, dict) and bool(opts.get("include_usage"))
+
+
+def _sse(events: Iterator[dict]) -> Response:
+    def gen():
+        for event in events:
+            yield f"data: {json.dumps(event)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return Response(gen(), mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _stream_events(reader: TaskReader) -> Iterator[TokenEvent | FinishEvent]:
+    """The reader's events; if the client disconnects (generator closed), cancel the task."""
+    finished = False
+    try:
+        for event in reader:
+            finished = isinstance(event, FinishEvent)
+            yield event
+    finally:
+        if not finished:
+            reader.cancel()
+
+
+def _chat_stream(reader: TaskReader, rid: str, model: str, include_usage: bool) -> Iterator[dict]:
+    yield api.chat_chunk(rid, model, {"role": "assistant", "content": ""})
+    for event in _stream_events(reader):
+        if isinstance(event, TokenEvent):
+            if event.text:
+                yield api.chat_chunk(rid, model, {"content": event.text})
+            continue
+        yield api.chat_chunk(rid, model, {}, api.FINISH_REASONS[event.reason])
+        if include_usage:
+            yield {**api.chat_chunk(rid, model, {}), "choices": [], "usage": event.usage.to_json()}
+
+
+def _completion_stream(reader: TaskReader, rid: str, model: str) -> Iterator[dict]:
+    for event in _stream_events(reader):
+        if isinstance(event, TokenEvent) and event.text:
+            yield {"id": rid, "object": "text_completion", "model": model,
+                   "choices": [{"index": 0, "text": event.text, "finish_reason": None}]}  # fmt: skip
+        elif isinstance(event, FinishEvent):
+            reason = api.FINISH_REASONS[event.reason]
+            yield {"id": rid, "object": "text_completion", "model": model,
+                   "choices": [{"index": 0, "text": "", "finish_reason": reason}]}  # fmt: skip
+
+
+def _loading_app(environ, start_response):
+    """Answers every request while the model loads."""
+    body = json.dumps(api.error_body("the model is still loading", 503)).encode()
+    start_response("503 Service Unavailable", [("Content-Type", "application/json"), ("Retry-After", "5")])
+    return [body]
+
+
+def bind_server(host: str, port: int) -> BaseWSGIServer:
+    """Bind the listening socket now (raises OSError if the port is taken); answers 503 until
+    `server.app` is replaced by `create_app(...)`. Threaded: one thread per client."""
+    # werkzeug exits the process itself when its own bind fails: bind here and hand it the socket
+    with socket.create_server((host, port)) as sock:
+        return make_server(host, port, _loading_app, threaded=True, fd=sock.fileno())

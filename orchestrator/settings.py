@@ -1,0 +1,176 @@
+"""One settings schema: every setting declared once with type, default, allowed values and help.
+
+The CLI flags and the `MC_*` environment variables are generated from `Settings`' fields; the
+launcher, config file and "copy as command" faces are generated from the same declarations.
+Environment variables are read here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+ENV_PREFIX = "MC_"
+
+
+class SettingsError(ValueError):
+    """A setting has a bad value; the message names the setting and the allowed values."""
+
+
+def setting(default, help: str, *, lo=None, hi=None, choices=None, secret: bool = False):
+    """Declare one setting: its default, help paragraph and allowed range or choices."""
+    meta = {"help": help, "lo": lo, "hi": hi, "choices": choices, "secret": secret}
+    return field(default=default, metadata=meta)
+
+
+KV_CACHE_TYPES = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str = setting(
+        "auto",
+        "Which model to serve: a path to a .gguf file, or a registry name (gemma3-270m, "
+        "qwen3.8-27b-mc, tiny-qwen35). 'auto' picks the Qwen3.8 27B MC weights on a CUDA build "
+        "with a GPU, and the bundled Gemma 3 270M otherwise.",
+    )
+    ctx: int = setting(
+        8192,
+        "The context budget in tokens: room for the prompt and the answer of a request. "
+        "More needs more memory (about 64 KiB per token for Qwen3.8 27B at f16 KV).",
+        lo=256,
+        hi=16_777_216,
+    )
+    batch: int = setting(
+        512,
+        "How many prompt tokens are processed in one step. Larger is faster for long prompts "
+        "and uses more memory for the step's buffers.",
+        lo=16,
+        hi=65_536,
+    )
+    threads: int = setting(
+        os.cpu_count() or 2,
+        "CPU threads for the parts of the model computed on the CPU (all of it without a GPU).",
+        lo=1,
+        hi=1024,
+    )
+    gpu_layers: int = setting(
+        999,
+        "How many layers to put on the GPU; 999 means all of them. Ignored on a CPU build.",
+        lo=0,
+        hi=999,
+    )
+    flash_attn: str = setting(
+        "auto",
+        "Flash attention: 'on' is faster and needed for quantized V cache; 'auto' lets llama.cpp decide.",
+        choices=("auto", "on", "off"),
+    )
+    cache_type_k: str = setting(
+        "f16",
+        "Number format of the attention keys kept for every token. q8_0 halves the memory with "
+        "almost no quality loss; q4_0 quarters it with some loss.",
+        choices=KV_CACHE_TYPES,
+    )
+    cache_type_v: str = setting(
+        "f16",
+        "Number format of the attention values kept for every token (quantized types need flash attention).",
+        choices=KV_CACHE_TYPES,
+    )
+    host: str = setting(
+        "127.0.0.1", "Address the HTTP server listens on. 0.0.0.0 makes it reachable from other machines."
+    )
+    port: int = setting(8080, "TCP port of the HTTP server.", lo=1, hi=65_535)
+    api_key: str = setting(
+        "",
+        "If set, every HTTP request must carry 'Authorization: Bearer <key>'. Empty: no key needed.",
+        secret=True,
+    )
+    offline: bool = setting(
+        False,
+        "Never contact Hugging Face: use only models already on this machine (the bundled one at least).",
+    )
+    log_level: str = setting(
+        "info",
+        "How much the server logs: debug shows llama.cpp's own messages too.",
+        choices=("debug", "info", "warning", "error"),
+    )
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value, meta = getattr(self, f.name), f.metadata
+            if meta["choices"] is not None and value not in meta["choices"]:
+                allowed = ", ".join(meta["choices"])
+                raise SettingsError(f"{f.name}: must be one of {allowed} (got {value!r})")
+            if meta["lo"] is not None and not (meta["lo"] <= value <= meta["hi"]):
+                raise SettingsError(f"{f.name}: must be between {meta['lo']} and {meta['hi']} (got {value})")
+
+    @classmethod
+    def load(cls, cli: Mapping[str, object] | None = None, env: Mapping[str, str] | None = None) -> Settings:
+        """Defaults, overridden by MC_* environment variables, overridden by CLI values."""
+        env = os.environ if env is None else env
+        values = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(env_name(f.name))
+            if raw is not None:
+                values[f.name] = parse_value(f, raw, source=env_name(f.name))
+        values.update({k: v for k, v in (cli or {}).items() if v is not None})
+        return cls(**values)
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def parse_value(f: dataclasses.Field, raw: str, source: str):
+    """Convert text (an env var or flag) to the field's type; SettingsError names the source."""
+    kind = f.type if isinstance(f.type, type) else {"int": int, "str": str, "bool": bool}[f.type]
+    if kind is bool:
+        low = raw.strip().lower()
+        if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+            raise SettingsError(f"{source}: must be true or false (got {raw!r})")
+        return low in ("1", "true", "yes", "on")
+    try:
+        return kind(raw)
+    except ValueError:
+        raise SettingsError(f"{source}: must be {kind.__name__} (got {raw!r})") from None
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per setting; unset flags stay None so env/defaults apply."""
+    for f in dataclasses.fields(Settings):
+        meta = f.metadata
+        extra = f" Allowed: {', '.join(meta['choices'])}." if meta["choices"] else ""
+        if meta["lo"] is not None:
+            extra = f" Allowed: {meta['lo']}..{meta['hi']}."
+        help_text = f"{meta['help']}{extra} Default: {f.default!r}. Env: {env_name(f.name)}."
+        if f.type in (bool, "bool"):
+            parser.add_argument(
+                flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction, help=help_text
+            )
+        else:
+            parser.add_argument(
+                flag_name(f.name),
+                dest=f.name,
+                type=lambda raw, f=f: _flag_value(f, raw),
+                default=None,
+                metavar=f.name.upper(),
+                help=help_text,
+            )
+
+
+def _flag_value(f: dataclasses.Field, raw: str):
+    try:
+        return parse_value(f, raw, source=flag_name(f.name))
+    except SettingsError as exc:  # argparse words it as "argument --flag: <message>"
+        raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[1]) from None
+
+
+def from_args(ns: argparse.Namespace) -> Settings:
+    return Settings.load({f.name: getattr(ns, f.name, None) for f in dataclasses.fields(Settings)})

@@ -1,0 +1,52 @@
+"""The model registry: auto choice, bundled model, and the no-network fallback."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator import models
+
+
+def test_auto_on_cpu_is_the_bundled_gemma(gemma_path):
+    resolved = models.resolve("auto", gpu=False)
+    assert resolved.name == "gemma3-270m"
+    assert resolved.path == gemma_path
+    assert resolved.path.stat().st_size == 253_113_024
+    assert resolved.note == ""
+
+
+def test_a_path_is_used_as_is(tiny_qwen35_path):
+    resolved = models.resolve(str(tiny_qwen35_path), gpu=False)
+    assert resolved.path == tiny_qwen35_path
+
+
+def test_unknown_name_lists_the_registry():
+    with pytest.raises(models.ModelNotFound, match=r"gemma3-270m, qwen3\.8-27b-mc, tiny-qwen35"):
+        models.resolve("llama-9000", gpu=False)
+
+
+def test_gpu_default_without_network_falls_back_in_one_line(monkeypatch, tmp_path, free_port, gemma_path):
+    monkeypatch.setenv("MC_MODELS_DIR", str(tmp_path))
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port}")  # nothing listens there
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(models, "bundled_gemma", lambda: gemma_path)
+    resolved = models.resolve("auto", gpu=True)
+    assert resolved.name == "gemma3-270m"
+    assert "\n" not in resolved.note
+    assert "Qwen3.8 27B" in resolved.note and f"127.0.0.1:{free_port} is unreachable" in resolved.note
+    assert "bundled Gemma 3 270M" in resolved.note
+
+
+def test_offline_setting_never_tries_the_network(monkeypatch, tmp_path, gemma_path):
+    monkeypatch.setenv("MC_MODELS_DIR", str(tmp_path))
+    monkeypatch.setattr(models, "_download", lambda entry: pytest.fail("offline mode must not download"))
+    monkeypatch.setattr(models, "bundled_gemma", lambda: gemma_path)
+    resolved = models.resolve("qwen3.8-27b-mc", gpu=True, offline=True)
+    assert resolved.name == "gemma3-270m" and "offline mode" in resolved.note
+
+
+def test_bundled_gemma_is_assembled_under_a_temp_name_then_renamed(monkeypatch, tmp_path):
+    monkeypatch.setenv("MC_MODELS_DIR", str(tmp_path))
+    path = models.bundled_gemma()
+    assert path.parent == tmp_path and path.stat().st_size == 253_113_024
+    assert not list(tmp_path.glob("*.partial"))
