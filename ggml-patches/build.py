@@ -207,6 +207,34 @@ def unpack(sdist: Path, dest: Path) -> Path:
     return top
 
 
+TRIM_DIRS = (
+    ".git/",
+    "vendor/llama.cpp/docs/",
+    "vendor/llama.cpp/media/",
+    "vendor/llama.cpp/tools/ui/",
+    "vendor/llama.cpp/benches/",
+    "vendor/llama.cpp/vendor/miniaudio/miniaudio.h",  # used by libmtmd only (its CMakeLists stays)
+)
+TRIM_MODELS = "vendor/llama.cpp/models/"
+KEEP_MODELS = ("ggml-vocab-qwen35.gguf",)
+
+
+def pack_trimmed_sdist(sdist: Path, out: Path) -> Path:
+    """Write a copy of the sdist without llama.cpp's docs, web UI and test vocabularies (76 MB ->
+    about 8 MB), for machines that cannot download it and take it in a small upload."""
+    tmp = out.with_name(out.name + ".partial")
+    with tarfile.open(sdist) as src, tarfile.open(tmp, "w:gz") as dst:
+        for member in src:
+            rel = member.name.split("/", 1)[1] if "/" in member.name else ""
+            if rel.startswith(TRIM_DIRS):
+                continue
+            if rel.startswith(TRIM_MODELS) and member.isfile() and Path(rel).name not in KEEP_MODELS:
+                continue
+            dst.addfile(member, src.extractfile(member) if member.isfile() else None)
+    tmp.replace(out)
+    return out
+
+
 def sync_tree(src: Path, dst: Path) -> int:
     """Make `dst` equal to `src`, rewriting only files whose bytes differ.
 
@@ -253,7 +281,7 @@ def installed_build_info(python: str) -> dict | None:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def build_wheel(target: BuildTarget, cache: Path, sdist: Path, jobs: int) -> Path:
+def build_wheel(target: BuildTarget, cache: Path, sdist: Path, jobs: int, offline: bool = False) -> Path:
     """Patch the sdist and build the wheel into the cache; returns the wheel's path."""
     work = cache / "work" / f"{VERSION}-{target.backend}-{target.arch.replace(';', '-')}"
     with tempfile.TemporaryDirectory(prefix="mc-sdist-") as tmp:
@@ -268,7 +296,8 @@ def build_wheel(target: BuildTarget, cache: Path, sdist: Path, jobs: int) -> Pat
     env["CMAKE_BUILD_PARALLEL_LEVEL"] = str(jobs)
     log(f"building {target.key} with {jobs} jobs: CMAKE_ARGS={env['CMAKE_ARGS']}")
     t0 = time.monotonic()
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp_out),
+    isolation = ["--no-build-isolation"] if offline else []  # offline: scikit-build-core must be installed
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-w", str(tmp_out),
          f"--config-settings=build-dir={work / 'build'}", str(work / "src")],
         "wheel build", env)  # fmt: skip
     log(f"wheel built in {time.monotonic() - t0:.0f} s")
@@ -277,10 +306,11 @@ def build_wheel(target: BuildTarget, cache: Path, sdist: Path, jobs: int) -> Pat
     return next(out.glob("*.whl"))
 
 
-def install(wheel: Path, python: str, target: BuildTarget) -> None:
+def install(wheel: Path, python: str, target: BuildTarget, offline: bool = False) -> None:
     log(f"installing {wheel.name} into {python}")
     run([python, "-m", "pip", "install", "--force-reinstall", "--no-deps", str(wheel)], "install")
-    run([python, "-m", "pip", "install", str(wheel)], "install of the wheel's dependencies")
+    if not offline:  # offline, its dependencies must already be there
+        run([python, "-m", "pip", "install", str(wheel)], "install of the wheel's dependencies")
     info = installed_build_info(python)
     if info is None or info.get("patch_series") != target.series_hash:
         raise BuildError(f"installed llama_cpp reports {info}, expected patch series {target.series_hash}")
@@ -306,9 +336,9 @@ def ensure(args: argparse.Namespace) -> Path | None:
         log(f"using the cached wheel {wheel}")
     else:
         sdist = Path(args.sdist) if args.sdist else fetch_sdist(cache)
-        wheel = build_wheel(target, cache, sdist, args.jobs)
+        wheel = build_wheel(target, cache, sdist, args.jobs, args.offline)
     if not args.no_install:
-        install(wheel, args.python, target)
+        install(wheel, args.python, target, args.offline)
     return wheel
 
 
@@ -328,12 +358,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-install", action="store_true", help="build or reuse the wheel, install nothing")
     ap.add_argument("--force", action="store_true", help="rebuild even if a cached wheel exists")
     ap.add_argument("--print-key", action="store_true", help="print the cache key and exit")
+    ap.add_argument(
+        "--offline", action="store_true", help="no network: no build isolation, no dependency installs"
+    )
+    ap.add_argument("--pack-sdist", metavar="OUT", help="write a trimmed sdist (about 8 MB) to OUT and exit")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        if args.pack_sdist:
+            sdist = Path(args.sdist) if args.sdist else fetch_sdist(cache_root(args.cache_dir))
+            out = pack_trimmed_sdist(sdist, Path(args.pack_sdist))
+            log(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
+            return 0
         if args.print_key:
             print(choose_target(args.backend, args.cuda_arch, args.portable).key)
             return 0
