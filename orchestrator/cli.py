@@ -73,18 +73,13 @@ def _resolve_model(settings: settings_mod.Settings):
 
 
 def _engine(settings: settings_mod.Settings, resolved):
-    from orchestrator.engine import SimpleEngine
-    from orchestrator.llama import ContextParams
+    from orchestrator.llama_engine import LlamaEngine, config_from_settings
 
-    params = ContextParams(
-        n_ctx=settings.ctx,
-        n_batch=settings.batch,
-        n_threads=settings.threads,
-        flash_attn=settings.flash_attn,
-        cache_type_k=settings.cache_type_k,
-        cache_type_v=settings.cache_type_v,
-    )
-    return SimpleEngine(str(resolved.path), params, settings.gpu_layers, model_id=resolved.name)
+    try:
+        config = config_from_settings(settings)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    return LlamaEngine(str(resolved.path), config, settings.gpu_layers, model_id=resolved.name)
 
 
 def cmd_serve(settings: settings_mod.Settings) -> int:

@@ -119,6 +119,16 @@ class Model(_Owned):
             raise ValueError(f"the chat template of {self.path.name} is not supported by llama.cpp")
         return buf.raw[:n].decode(errors="replace")
 
+    @property
+    def is_recurrent(self) -> bool:
+        """Recurrent or hybrid (qwen35): its per-sequence state cannot be cut back to a shorter prefix."""
+        lc = llama()
+        return bool(lc.llama_model_is_recurrent(self._ptr) or lc.llama_model_is_hybrid(self._ptr))
+
+    @property
+    def n_swa(self) -> int:
+        return int(llama().llama_model_n_swa(self._ptr))
+
     def _fallback_template(self) -> bytes | None:
         """A llama.cpp built-in template by architecture, for GGUFs that carry none
         (the bundled Gemma 3 270M has no tokenizer.chat_template)."""
@@ -191,6 +201,24 @@ class Context(_Owned):
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         return bool(llama().llama_memory_seq_rm(self.memory, seq_id, p0, p1))
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        """Largest position held for `seq_id`, -1 when empty."""
+        return int(llama().llama_memory_seq_pos_max(self.memory, seq_id))
+
+    def state_size(self, seq_id: int) -> int:
+        """Bytes of `seq_id`'s state (KV cells and, for recurrent models, the recurrent state)."""
+        return int(llama().llama_state_seq_get_size(self._ptr, seq_id))
+
+    def state_save(self, seq_id: int, buf: np.ndarray) -> int:
+        """Copy `seq_id`'s state into `buf` (uint8); returns bytes written (0 on failure)."""
+        ptr = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        return int(llama().llama_state_seq_get_data(self._ptr, ptr, buf.nbytes, seq_id))
+
+    def state_load(self, seq_id: int, buf: np.ndarray, nbytes: int) -> bool:
+        """Restore a saved state into the (empty) sequence `seq_id`; False on failure."""
+        ptr = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        return llama().llama_state_seq_set_data(self._ptr, ptr, nbytes, seq_id) != 0
 
 
 class Batch(_Owned):

@@ -44,6 +44,20 @@ class Settings:
         lo=256,
         hi=16_777_216,
     )
+    slots: int = setting(
+        12,
+        "How many tasks run at once in the shared context (llama.cpp sequences). More tasks can be "
+        "open: the rest wait, or wait paused in RAM, and are rotated in fairly.",
+        lo=1,
+        hi=256,
+    )
+    chunk: int = setting(
+        256,
+        "Most prompt tokens of one task processed per step, so a long prompt never freezes the "
+        "tasks that are already answering.",
+        lo=1,
+        hi=65_536,
+    )
     batch: int = setting(
         512,
         "How many prompt tokens are processed in one step. Larger is faster for long prompts "
@@ -78,6 +92,69 @@ class Settings:
         "f16",
         "Number format of the attention values kept for every token (quantized types need flash attention).",
         choices=KV_CACHE_TYPES,
+    )
+    swap_ram_mb: int = setting(
+        0,
+        "Most host RAM, in MiB, for the states of paused tasks (their KV cache and recurrent state). "
+        "0 means half of the memory free at start. Past it, states spill to swap_dir.",
+        lo=0,
+        hi=16_777_216,
+    )
+    swap_dir: str = setting(
+        "",
+        "Folder where paused tasks' states go when the RAM limit is reached. Empty: a 'swap' folder "
+        "in MegaCapybara's cache. 'none' turns spilling off.",
+    )
+    age_bound_s: float = setting(
+        2.0,
+        "Fairness: a task that has waited this many seconds is served before any other, even if "
+        "that lowers total throughput. Lower is fairer, higher is faster overall.",
+        lo=0.0,
+        hi=3600.0,
+    )
+    quantum_s: float = setting(
+        0.5,
+        "A task brought in to run keeps its place at least this long before it can be paused again.",
+        lo=0.0,
+        hi=600.0,
+    )
+    max_sessions: int = setting(
+        32,
+        "Finished conversations kept (in the context, then in RAM) so that their next turn only "
+        "processes the new tokens. 0 turns session reuse off.",
+        lo=0,
+        hi=4096,
+    )
+    loop_guard: bool = setting(
+        True,
+        "Watch every generation for loops: first penalise the repeating tokens, then stop the task "
+        "with finish_reason 'loop' if it keeps repeating.",
+    )
+    loop_window: int = setting(256, "How many recent tokens the loop guard looks at.", lo=8, hi=8192)
+    loop_min_period: int = setting(
+        4,
+        "Shortest repeating unit, in tokens, that counts as a loop; shorter repetitions such as "
+        "'0, 0, 0' or '-----' are treated as content.",
+        lo=1,
+        hi=1024,
+    )
+    loop_repeats: int = setting(
+        4, "How many copies of the unit in a row (or identical tool calls) make a loop.", lo=2, hi=64
+    )
+    loop_penalty_step: float = setting(
+        0.1,
+        "How much the repetition penalty on looping tokens rises per further copy of the loop.",
+        lo=0.01,
+        hi=1.0,
+    )
+    loop_penalty_cap: float = setting(
+        2.0, "The highest penalty; a loop that survives it stops the task.", lo=1.01, hi=10.0
+    )
+    max_queue: int = setting(
+        256,
+        "Open tasks beyond which new requests are refused with HTTP 503 and Retry-After.",
+        lo=1,
+        hi=1_000_000,
     )
     host: str = setting(
         "127.0.0.1", "Address the HTTP server listens on. 0.0.0.0 makes it reachable from other machines."
@@ -130,7 +207,9 @@ def flag_name(name: str) -> str:
 
 def parse_value(f: dataclasses.Field, raw: str, source: str):
     """Convert text (an env var or flag) to the field's type; SettingsError names the source."""
-    kind = f.type if isinstance(f.type, type) else {"int": int, "str": str, "bool": bool}[f.type]
+    kind = (
+        f.type if isinstance(f.type, type) else {"int": int, "str": str, "bool": bool, "float": float}[f.type]
+    )
     if kind is bool:
         low = raw.strip().lower()
         if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
@@ -139,7 +218,9 @@ def parse_value(f: dataclasses.Field, raw: str, source: str):
     try:
         return kind(raw)
     except ValueError:
-        raise SettingsError(f"{source}: must be {kind.__name__} (got {raw!r})") from None
+        raise SettingsError(
+            f"{source}: must be {'a number' if kind is float else kind.__name__} (got {raw!r})"
+        ) from None
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:

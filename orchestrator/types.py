@@ -58,6 +58,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     max_tokens: int = 512
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # None: off; n >= 0: the chosen token's logprob and the top n
 
     def __post_init__(self) -> None:
         _check_range("temperature", self.temperature, 0.0, 5.0)
@@ -70,6 +71,8 @@ class SamplingParams:
         _check_range("max_tokens", self.max_tokens, 1, 10_000_000)
         if self.seed is not None:
             _check_range("seed", self.seed, 0, 2**32 - 2)
+        if self.logprobs is not None:
+            _check_range("top_logprobs", self.logprobs, 0, 20)
         if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequest("stop", "must be up to 16 non-empty strings")
 
@@ -113,6 +116,7 @@ class TokenEvent:
     task_id: int
     token: int
     text: str
+    logprob: dict | None = None  # {"token", "logprob", "top": [(token, logprob), ...]} when asked for
 
     def to_json(self) -> dict:
         return {"type": "token", **asdict(self)}

@@ -1,0 +1,488 @@
+"""LlamaEngine: many tasks in one llama.cpp context with one unified KV budget.
+
+One thread owns the context. Each step:
+    plan = schedule(views)          # orchestrator.scheduler: who pauses, resumes, decodes, prefills
+    apply pauses/resumes/admits     # SwapPool <-> llama_state_seq_get/set_data
+    one llama_decode                # the next token of every decoding task + prompt chunks
+    sample, stream, loop guard      # per task
+Finished conversations stay as cached sessions (resident, then swapped or dropped under
+pressure), so a next turn that extends one prefills only its new tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orchestrator import events as ev
+from orchestrator.backend import check_backend
+from orchestrator.engine import Engine, ModelInfo, TaskReader, _TextStream
+from orchestrator.llama import Batch, Context, ContextParams, Model, Sampler
+from orchestrator.loop_guard import LoopGuard, LoopGuardConfig
+from orchestrator.scheduler import Budget, Phase, schedule
+from orchestrator.swap import SwapFull, SwapPool
+from orchestrator.task import Task, top_logprobs
+from orchestrator.types import (
+    FinishEvent,
+    GenerationRequest,
+    InvalidRequest,
+    StopReason,
+    TaskState,
+    TokenEvent,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    context: ContextParams = field(default_factory=ContextParams)  # n_seq_max = slots, n_ctx = budget
+    chunk: int = 256  # most prompt tokens of one task per step
+    age_bound_s: float = 2.0
+    quantum_s: float = 0.5
+    swap_ram_bytes: int = 8 << 30
+    swap_dir: Path | None = None
+    max_sessions: int = 32  # finished conversations kept for reuse
+    loop_guard: LoopGuardConfig = field(default_factory=LoopGuardConfig)
+    max_queue: int = 256  # open tasks beyond which submit() refuses (HTTP 503)
+
+
+def config_from_settings(settings) -> EngineConfig:
+    """EngineConfig from the settings schema (orchestrator.settings.Settings)."""
+    import psutil
+
+    from orchestrator.models import cache_dir
+
+    swap_ram = settings.swap_ram_mb << 20 or psutil.virtual_memory().available // 2
+    swap_dir = None if settings.swap_dir == "none" else Path(settings.swap_dir or cache_dir() / "swap")
+    context = ContextParams(
+        n_ctx=settings.ctx,
+        n_batch=settings.batch,
+        n_seq_max=settings.slots,
+        n_threads=settings.threads,
+        flash_attn=settings.flash_attn,
+        cache_type_k=settings.cache_type_k,
+        cache_type_v=settings.cache_type_v,
+    )
+    guard = LoopGuardConfig(
+        settings.loop_guard,
+        settings.loop_window,
+        settings.loop_min_period,
+        settings.loop_repeats,
+        settings.loop_penalty_step,
+        settings.loop_penalty_cap,
+    )
+    return EngineConfig(
+        context,
+        chunk=min(settings.chunk, settings.batch),
+        age_bound_s=settings.age_bound_s,
+        quantum_s=settings.quantum_s,
+        swap_ram_bytes=swap_ram,
+        swap_dir=swap_dir,
+        max_sessions=settings.max_sessions,
+        loop_guard=guard,
+        max_queue=settings.max_queue,
+    )
+
+
+@dataclass
+class EngineStats:
+    """Running counters (engine thread writes; readers take a copy)."""
+
+    steps: int = 0
+    decoded_tokens: int = 0  # generated tokens fed back (decode rows)
+    prefilled_tokens: int = 0  # prompt tokens decoded
+    reused_tokens: int = 0  # prompt tokens taken from cached sessions instead
+    pauses: int = 0
+    resumes: int = 0
+    loop_actions: int = 0
+
+
+class EngineBusy(InvalidRequest):
+    def __init__(self, message: str):
+        super().__init__("engine", message, status=503)
+
+
+class LlamaEngine(Engine):
+    def __init__(self, model_path: str, config: EngineConfig, n_gpu_layers: int = 0, model_id: str = ""):
+        check_backend()
+        self.cfg = config
+        self.model = Model(model_path, n_gpu_layers)
+        self.ctx = Context(self.model, config.context)
+        self.batch = Batch(config.context.n_batch)
+        self.swap = SwapPool(config.swap_ram_bytes, config.swap_dir)
+        self.events = ev.EventBus()
+        self.stats = EngineStats()
+        slots = config.context.n_seq_max
+        self.budget = Budget(slots, self.ctx.n_ctx, config.context.n_batch, config.chunk,
+                             config.age_bound_s, config.quantum_s)  # fmt: skip
+        self._info = ModelInfo(model_id or self.model.path.stem, str(model_path), self.ctx.n_ctx,
+                               self.model.n_vocab, int(time.time()))  # fmt: skip
+        self._free_seqs = list(range(slots))
+        self._tasks: dict[int, Task] = {}
+        self._sessions: list[Task] = []  # least recently used first
+        self._inbox: queue.Queue = queue.Queue()
+        self._n_open = 0
+        self._lock = threading.Lock()
+        self._running = True
+        self._window = (time.monotonic(), 0, 0)
+        self._slot_view: list[dict] = []
+        self._thread = threading.Thread(target=self._loop, name="mc-engine", daemon=True)
+        self._thread.start()
+        log.info("engine: %d slots, %d KV cells, batch %d, chunk %d", slots, self.ctx.n_ctx,
+                 config.context.n_batch, config.chunk)  # fmt: skip
+
+    # ---- the Engine interface (any thread) -------------------------------------------------
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.model.tokenize(text)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        return self.model.apply_chat_template(messages)
+
+    def submit(self, request: GenerationRequest) -> TaskReader:
+        if len(request.prompt_tokens) + 1 > self.ctx.n_ctx:
+            raise InvalidRequest(
+                "prompt",
+                f"is {len(request.prompt_tokens)} tokens, over the context budget of {self.ctx.n_ctx}",
+            )
+        with self._lock:
+            if self._n_open >= self.cfg.max_queue:
+                raise EngineBusy(f"{self._n_open} tasks are open, the most this engine queues")
+            self._n_open += 1
+        reader = TaskReader(request.task_id, self)
+        self._inbox.put(("submit", request, reader))
+        return reader
+
+    def cancel(self, task_id: int) -> None:
+        self._inbox.put(("cancel", task_id, None))
+
+    def pause(self, task_id: int) -> None:
+        """Swap a resident task out at the next step (for agents parked on purpose, and for tests);
+        the scheduler resumes it like any paused task."""
+        self._inbox.put(("pause", task_id, None))
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._inbox.put(("stop", None, None))
+            self._thread.join()
+        self.swap.close()
+        self.batch.close()
+        self.ctx.close()
+        self.model.close()
+
+    def slots(self) -> list[dict]:
+        """Every open task: id, state, tokens, resident or swapped, seconds since it last changed."""
+        with self._lock:
+            return list(self._slot_view)
+
+    # ---- the engine thread -----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while self._running:
+            self._drain_inbox(block=not self._tasks)
+            if self._tasks:
+                try:
+                    self._step()
+                except Exception:  # a bug in the step itself: fail what was running, keep serving
+                    log.exception("engine step failed")
+                    for task in [t for t in self._tasks.values() if t.phase is Phase.RESIDENT]:
+                        self._finish(task, StopReason.ERROR, "engine step failed (see server log)")
+            self._publish_views()
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, a, b = item
+            if kind == "submit":
+                self._add_task(a, b)
+            elif kind == "cancel" and a in self._tasks:
+                self._finish(self._tasks[a], StopReason.CANCELLED)
+            elif kind == "pause" and a in self._tasks and self._tasks[a].phase is Phase.RESIDENT:
+                self._pause(a, time.monotonic())
+            elif kind == "stop":
+                self._running = False
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add_task(self, request: GenerationRequest, reader: TaskReader) -> None:
+        now = time.monotonic()
+        stream = _TextStream(self.model, request.sampling.stop)
+        task = Task(
+            request,
+            reader,
+            list(request.prompt_tokens),
+            stream,
+            LoopGuard(self.cfg.loop_guard),
+            now,
+            created=now,
+        )
+        self._tasks[task.id] = task
+        self.events.publish(ev.TaskStateChanged(task.id, TaskState.WAITING.value))
+
+    def _step(self) -> None:
+        now = time.monotonic()
+        for task in [t for t in self._tasks.values() if t.n_past + 1 + t.prefill_left > self.ctx.n_ctx]:
+            self._finish(task, StopReason.LENGTH)
+        resident_sessions = [s for s in self._sessions if s.phase is Phase.CACHED]
+        views = [t.view() for t in self._tasks.values()] + [s.view() for s in resident_sessions]
+        plan = schedule(views, self.budget, now)
+        for tid in plan.pause:
+            self._pause(tid, now)
+        for tid in plan.resume:
+            self._resume(self._tasks[tid], now)
+        for tid in plan.admit:
+            self._admit(self._tasks[tid], now)
+        rows = self._fill_batch(plan)
+        if self.batch.n_tokens == 0:
+            return
+        try:
+            self.ctx.decode(self.batch)
+        except Exception as exc:  # fails only the tasks of this batch
+            in_batch = [self._tasks[tid] for tid in [*plan.decode, *plan.prefill] if tid in self._tasks]
+            log.exception("llama_decode failed for tasks %s", [t.id for t in in_batch])
+            for task in in_batch:
+                self._finish(task, StopReason.ERROR, f"decode failed: {exc}")
+            return
+        self.stats.steps += 1
+        for task, row in rows:
+            if task.id in self._tasks:
+                self._after_logits(task, row)
+        self._maybe_throughput()
+
+    def _fill_batch(self, plan) -> list[tuple[Task, int]]:
+        self.batch.clear()
+        rows = []
+        for tid in plan.decode:
+            task = self._tasks[tid]
+            rows.append((task, self.batch.add(task.tokens[task.n_past], task.n_past, task.seq, True)))
+            task.n_past += 1
+            self.stats.decoded_tokens += 1
+        for tid, n in plan.prefill.items():
+            task = self._tasks[tid]
+            n = min(n, task.prefill_left)  # admission may have taken over a cached session's prefix
+            for pos in range(task.n_past, task.n_past + n):
+                last = pos == task.n_prompt - 1
+                row = self.batch.add(task.tokens[pos], pos, task.seq, last)
+                if last:
+                    rows.append((task, row))
+            task.n_past += n
+            self.stats.prefilled_tokens += n
+            self._set_state(task, TaskState.PREFILLING)
+        return rows
+
+    def _after_logits(self, task: Task, row: int) -> None:
+        try:
+            sp = task.request.sampling
+            logits = self.ctx.logits(row)
+            logprob = top_logprobs(logits, 0, sp.logprobs) if sp.logprobs is not None else None
+            task.guard.apply(logits)
+            if task.sampler is None:
+                task.sampler = Sampler(sp, self.model.n_vocab)
+            token = task.sampler.sample(self.ctx, row)
+            if logprob is not None:
+                logprob = top_logprobs(logits, token, sp.logprobs)
+            task.tokens.append(token)
+            task.n_generated += 1
+            self._set_state(task, TaskState.DECODING)
+            if self.model.is_eog(token):
+                return self._finish(task, StopReason.STOP)
+            text = task.stream.push(token)
+            task.reader.put(TokenEvent(task.id, token, text, logprob))
+            action = task.guard.observe(token, text)
+            if action is not None:
+                self.stats.loop_actions += 1
+                self.events.publish(ev.LoopGuardAction(task.id, action.action, action.period, action.penalty))
+                if action.action == "stop":
+                    return self._finish(task, StopReason.LOOP)
+            if task.stream.stopped:
+                return self._finish(task, StopReason.STOP)
+            if task.n_generated >= sp.max_tokens:
+                return self._finish(task, StopReason.LENGTH)
+        except Exception as exc:
+            log.exception("task %d failed after its step", task.id)
+            self._finish(task, StopReason.ERROR, str(exc))
+        return None
+
+    # ---- residency: admit, pause, resume, finish --------------------------------------------
+
+    def _take_seq(self) -> int:
+        seq = self._free_seqs.pop(0)  # FIFO: a resumed task usually lands in another sequence
+        assert self.ctx.seq_pos_max(seq) == -1, f"sequence {seq} is not empty"
+        return seq
+
+    def _release_seq(self, holder: Task) -> None:
+        self.ctx.seq_rm(holder.seq)
+        self._free_seqs.append(holder.seq)
+        holder.seq = None
+
+    def _admit(self, task: Task, now: float) -> None:
+        session = self._find_session(task)
+        if session is not None and session.phase is Phase.CACHED:
+            task.seq, session.seq = session.seq, None  # take over its sequence as it is
+        else:
+            task.seq = self._take_seq()
+            if session is not None and not self._load(task, session.id, task.seq):
+                session = None
+        if session is not None:
+            task.n_past = task.n_cached = session.n_past
+            self._sessions.remove(session)
+            self.stats.reused_tokens += task.n_cached
+        task.phase, task.since = Phase.RESIDENT, now
+        self._set_state(task, TaskState.PREFILLING)
+
+    def _find_session(self, task: Task) -> Task | None:
+        """The cached session with the longest state that is a prefix of the task's prompt (all
+        but the prompt's last token, whose logits the task needs)."""
+        prompt = task.request.prompt_tokens
+        best = None
+        for s in self._sessions:
+            n = s.n_past
+            if (
+                0 < n < len(prompt)
+                and (best is None or n > best.n_past)
+                and tuple(s.tokens[:n]) == prompt[:n]
+            ):
+                best = s
+        return best
+
+    def _pause(self, tid: int, now: float) -> None:
+        holder = self._tasks.get(tid) or next(s for s in self._sessions if s.id == tid)
+        is_session = holder.reader is None
+        try:
+            self._save(holder)
+        except SwapFull as exc:
+            if is_session:  # a cached session is only an optimisation: drop it
+                self._release_seq(holder)
+                self._sessions.remove(holder)
+                return
+            log.error("cannot pause task %d: %s", tid, exc)
+            return self._finish(holder, StopReason.ERROR, f"cannot pause: {exc}")
+        self._release_seq(holder)
+        holder.phase, holder.since = Phase.PAUSED, now
+        self.stats.pauses += 1
+        if not is_session:
+            self._set_state(holder, TaskState.PAUSED)
+        return None
+
+    def _save(self, holder: Task) -> None:
+        t0 = time.perf_counter()
+        size = self.ctx.state_size(holder.seq)
+        buf = self.swap.acquire(size)
+        n = self.ctx.state_save(holder.seq, buf)
+        if n == 0:
+            self.swap.release(buf)
+            raise SwapFull(f"llama_state_seq_get_data wrote nothing for sequence {holder.seq}")
+        where = self.swap.put(holder.id, buf, n)
+        ms = 1000 * (time.perf_counter() - t0)
+        self.events.publish(ev.Swapped(holder.id, "pause", n, ms, where))
+
+    def _load(self, task: Task, key: int, seq: int) -> bool:
+        t0 = time.perf_counter()
+        where = self.swap.where(key)
+        buf, n = self.swap.take(key)
+        ok = self.ctx.state_load(seq, buf, n)
+        self.swap.release(buf)
+        ms = 1000 * (time.perf_counter() - t0)
+        self.events.publish(ev.Swapped(task.id, "resume", n, ms, where))
+        if not ok:
+            log.error("restoring state %d into sequence %d failed", key, seq)
+            self.ctx.seq_rm(seq)
+        return ok
+
+    def _resume(self, task: Task, now: float) -> None:
+        task.seq = self._take_seq()
+        if not self._load(task, task.id, task.seq):
+            return self._finish(task, StopReason.ERROR, "restoring its saved state failed")
+        task.phase, task.since = Phase.RESIDENT, now
+        self.stats.resumes += 1
+        self._set_state(task, TaskState.DECODING if task.prefill_left == 0 else TaskState.PREFILLING)
+        return None
+
+    def _finish(self, task: Task, reason: StopReason, error: str | None = None) -> None:
+        tail = task.stream.flush()
+        if tail and reason is not StopReason.CANCELLED:
+            task.reader.put(TokenEvent(task.id, -1, tail))
+        reader, finish = task.reader, FinishEvent(task.id, reason, task.usage(), error)
+        del self._tasks[task.id]
+        with self._lock:
+            self._n_open -= 1
+        keep = reason in (StopReason.STOP, StopReason.LENGTH, StopReason.LOOP) and self.cfg.max_sessions > 0
+        if keep and task.phase in (Phase.RESIDENT, Phase.PAUSED):
+            self._keep_session(task)
+        elif task.phase is Phase.RESIDENT:
+            self._release_seq(task)
+        elif task.phase is Phase.PAUSED:
+            self.swap.drop(task.id)
+        self._set_state(task, TaskState.DONE, reason)
+        reader.put(finish)  # last: the task's cells are free when its reader sees the end
+
+    def _keep_session(self, task: Task) -> None:
+        task.reader, task.sampler = None, None
+        if task.phase is Phase.RESIDENT:
+            task.phase = Phase.CACHED
+        task.since = time.monotonic()
+        self._sessions.append(task)
+        while len(self._sessions) > self.cfg.max_sessions:
+            old = self._sessions.pop(0)
+            if old.phase is Phase.CACHED:
+                self._release_seq(old)
+            else:
+                self.swap.drop(old.id)
+
+    # ---- events and views ------------------------------------------------------------------
+
+    def _set_state(self, task: Task, state: TaskState, reason: StopReason | None = None) -> None:
+        if task.state is not state:
+            task.state = state
+            self.events.publish(ev.TaskStateChanged(task.id, state.value, reason.value if reason else None))
+
+    def _maybe_throughput(self) -> None:
+        t0, dec0, pre0 = self._window
+        now = time.monotonic()
+        if now - t0 < 1.0:
+            return
+        tasks = list(self._tasks.values())
+        count = {p: sum(t.phase is p for t in tasks) for p in Phase}
+        self.events.publish(
+            ev.Throughput(
+                (self.stats.decoded_tokens - dec0) / (now - t0),
+                (self.stats.prefilled_tokens - pre0) / (now - t0),
+                count[Phase.RESIDENT],
+                count[Phase.WAITING],
+                count[Phase.PAUSED],
+                self.swap.ram_bytes + self.swap.disk_bytes,
+            )
+        )
+        self._window = (now, self.stats.decoded_tokens, self.stats.prefilled_tokens)
+
+    def _publish_views(self) -> None:
+        now = time.monotonic()
+        view = [
+            {
+                "task_id": t.id,
+                "state": t.state.value,
+                "prompt_tokens": t.n_prompt,
+                "generated_tokens": t.n_generated,
+                "cells": t.n_past if t.phase is Phase.RESIDENT else 0,
+                "where": {Phase.RESIDENT: "resident", Phase.PAUSED: "swapped"}.get(t.phase, "waiting"),
+                "seq": t.seq,
+                "age_s": round(now - t.created, 3),
+            }
+            for t in self._tasks.values()
+        ]
+        with self._lock:
+            self._slot_view = view
