@@ -342,6 +342,43 @@ def ensure(args: argparse.Namespace) -> Path | None:
     return wheel
 
 
+TOOL_CMAKE_ARGS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DBUILD_SHARED_LIBS=OFF",
+]
+
+
+def build_tools(
+    targets: list[str], target: BuildTarget, stock: bool, cache: Path, sdist: Path, jobs: int
+) -> Path:
+    """Build llama.cpp's own programs (llama-batched-bench, llama-perplexity, llama-bench, ...) from
+    the pinned source, stock or patched, for the benchmarks and cross-checks; returns the bin folder.
+    The build folder persists, so more targets later cost only their own files."""
+    variant = "stock" if stock else target.series_hash[:16]
+    root = cache / "tools" / f"{VERSION}-{variant}-{target.backend}-{target.arch.replace(';', '-')}"
+    with tempfile.TemporaryDirectory(prefix="mc-sdist-") as tmp:
+        fresh = unpack(sdist, Path(tmp))
+        if not stock:
+            apply_series(fresh)
+        sync_tree(fresh / "vendor" / "llama.cpp", root / "src")
+    args = [a for a in target.cmake_args() if a.startswith(("-DGGML_", "-DCMAKE_CUDA", "-DMC_"))]
+    run(["cmake", "-S", str(root / "src"), "-B", str(root / "build"), "-G", "Ninja", *TOOL_CMAKE_ARGS, *args],
+        "cmake configure of llama.cpp tools")  # fmt: skip
+    t0 = time.monotonic()
+    run(
+        ["cmake", "--build", str(root / "build"), "--target", *targets, "-j", str(jobs)],
+        "build of " + ", ".join(targets),
+    )
+    log(f"built {', '.join(targets)} ({'stock' if stock else 'patched'}) in {time.monotonic() - t0:.0f} s")
+    return root / "build" / "bin"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--python", default=sys.executable, help="the Python to install into")
@@ -362,6 +399,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--offline", action="store_true", help="no network: no build isolation, no dependency installs"
     )
     ap.add_argument("--pack-sdist", metavar="OUT", help="write a trimmed sdist (about 8 MB) to OUT and exit")
+    ap.add_argument("--tools", metavar="T1,T2", help="build these llama.cpp programs instead of the wheel")
+    ap.add_argument("--stock", action="store_true", help="with --tools: from the unpatched source")
     return ap.parse_args(argv)
 
 
@@ -372,6 +411,12 @@ def main(argv: list[str] | None = None) -> int:
             sdist = Path(args.sdist) if args.sdist else fetch_sdist(cache_root(args.cache_dir))
             out = pack_trimmed_sdist(sdist, Path(args.pack_sdist))
             log(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
+            return 0
+        if args.tools:
+            target = choose_target(args.backend, args.cuda_arch, args.portable)
+            cache = cache_root(args.cache_dir)
+            sdist = Path(args.sdist) if args.sdist else fetch_sdist(cache)
+            print(build_tools(args.tools.split(","), target, args.stock, cache, sdist, args.jobs))
             return 0
         if args.print_key:
             print(choose_target(args.backend, args.cuda_arch, args.portable).key)

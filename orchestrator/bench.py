@@ -19,20 +19,32 @@ def _prefill(ctx: Context, batch: Batch, tokens: list[int]) -> None:
         ctx.decode(batch)
 
 
+def _step(ctx: Context, batch: Batch, token: int, pos: int) -> None:
+    batch.clear()
+    batch.add(token, pos, 0, True)
+    ctx.decode(batch)
+
+
 def measure(model: Model, params: ContextParams, n_prompt: int, n_gen: int) -> dict:
-    """Prefill `n_prompt` tokens, then decode `n_gen` greedy-free (fixed token) steps; returns figures."""
+    """Prefill `n_prompt` tokens, then time `n_gen` single-token decode steps (fixed tokens, no
+    sampling: the model's speed, like llama-bench); warm-up steps are not timed."""
     tokens = (model.tokenize("The quick brown fox jumps over the lazy dog. ") * n_prompt)[:n_prompt]
     with Context(model, params) as ctx, Batch(params.n_batch) as batch:
-        _prefill(ctx, batch, tokens[:8])  # warm-up: first-use allocations
+        _prefill(ctx, batch, tokens[:8])  # warm-up: first-use allocations, graph building
+        for i in range(2):
+            _step(ctx, batch, tokens[i], 8 + i)
+        ctx.synchronize()
         ctx.clear()
         t0 = time.perf_counter()
         _prefill(ctx, batch, tokens)
+        ctx.synchronize()  # a GPU finishes after llama_decode returns
         t_prefill = time.perf_counter() - t0
+        _step(ctx, batch, tokens[0], n_prompt)  # the first single-token step after a prefill is slower
+        ctx.synchronize()
         t0 = time.perf_counter()
-        for i in range(n_gen):
-            batch.clear()
-            batch.add(tokens[i % len(tokens)], n_prompt + i, 0, True)
-            ctx.decode(batch)
+        for i in range(1, n_gen + 1):
+            _step(ctx, batch, tokens[i % len(tokens)], n_prompt + i)
+        ctx.synchronize()
         t_decode = time.perf_counter() - t0
     return {
         "prompt_tokens": n_prompt,
@@ -46,7 +58,7 @@ def measure(model: Model, params: ContextParams, n_prompt: int, n_gen: int) -> d
 def run_bench(settings, resolved, n_prompt: int, n_gen: int, json_out: str | None) -> dict:
     check_backend()
     params = ContextParams(
-        n_ctx=max(settings.ctx, n_prompt + n_gen + 16),
+        n_ctx=max(settings.ctx, n_prompt + n_gen + 32),
         n_batch=settings.batch,
         n_threads=settings.threads,
         flash_attn=settings.flash_attn,

@@ -191,6 +191,10 @@ class Context(_Owned):
         if rc != 0:
             raise BackendError(f"llama_decode failed with code {rc} on a batch of {batch.n_tokens} tokens")
 
+    def synchronize(self) -> None:
+        """Wait for the device to finish the last decode (llama_decode returns before a GPU is done)."""
+        llama().llama_synchronize(self._ptr)
+
     def logits(self, i: int) -> np.ndarray:
         """Logits of output row i of the last decode, as a float32 view [n_vocab] (copy to keep)."""
         ptr = llama().llama_get_logits_ith(self._ptr, i)

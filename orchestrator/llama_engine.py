@@ -288,13 +288,15 @@ class LlamaEngine(Engine):
         try:
             sp = task.request.sampling
             logits = self.ctx.logits(row)
-            logprob = top_logprobs(logits, 0, sp.logprobs) if sp.logprobs is not None else None
+            raw = logits.copy() if sp.logprobs is not None else None  # logprobs of the model itself
             task.guard.apply(logits)
-            if task.sampler is None:
-                task.sampler = Sampler(sp, self.model.n_vocab)
-            token = task.sampler.sample(self.ctx, row)
-            if logprob is not None:
-                logprob = top_logprobs(logits, token, sp.logprobs)
+            if sp.is_greedy:  # argmax here: llama.cpp's chain would sort the whole vocabulary
+                token = int(logits.argmax())
+            else:
+                if task.sampler is None:
+                    task.sampler = Sampler(sp, self.model.n_vocab)
+                token = task.sampler.sample(self.ctx, row)
+            logprob = top_logprobs(raw, token, sp.logprobs) if raw is not None else None
             task.tokens.append(token)
             task.n_generated += 1
             self._set_state(task, TaskState.DECODING)

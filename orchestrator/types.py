@@ -60,6 +60,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: off; n >= 0: the chosen token's logprob and the top n
 
+    @property
+    def is_greedy(self) -> bool:
+        """Temperature 0 and no penalties: the next token is the argmax of the logits."""
+        no_penalty = self.repeat_penalty == 1.0 and not self.presence_penalty and not self.frequency_penalty
+        return self.temperature <= 0.0 and no_penalty
+
     def __post_init__(self) -> None:
         _check_range("temperature", self.temperature, 0.0, 5.0)
         _check_range("top_p", self.top_p, 0.0, 1.0)
