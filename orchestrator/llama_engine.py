@@ -20,9 +20,10 @@ from pathlib import Path
 
 from orchestrator import events as ev
 from orchestrator.backend import check_backend
-from orchestrator.engine import Engine, ModelInfo, TaskReader, _TextStream
+from orchestrator.engine import Engine, ModelInfo, TaskReader, TextStream
 from orchestrator.llama import Batch, Context, ContextParams, Model, Sampler
 from orchestrator.loop_guard import LoopGuard, LoopGuardConfig
+from orchestrator.residency import Residency
 from orchestrator.scheduler import Budget, Phase, schedule
 from orchestrator.swap import SwapFull, SwapPool
 from orchestrator.task import Task, top_logprobs
@@ -122,9 +123,8 @@ class LlamaEngine(Engine):
                              config.age_bound_s, config.quantum_s)  # fmt: skip
         self._info = ModelInfo(model_id or self.model.path.stem, str(model_path), self.ctx.n_ctx,
                                self.model.n_vocab, int(time.time()))  # fmt: skip
-        self._free_seqs = list(range(slots))
+        self.res = Residency(self.ctx, self.swap, self.events, slots, config.max_sessions)
         self._tasks: dict[int, Task] = {}
-        self._sessions: list[Task] = []  # least recently used first
         self._inbox: queue.Queue = queue.Queue()
         self._n_open = 0
         self._lock = threading.Lock()
@@ -220,7 +220,7 @@ class LlamaEngine(Engine):
 
     def _add_task(self, request: GenerationRequest, reader: TaskReader) -> None:
         now = time.monotonic()
-        stream = _TextStream(self.model, request.sampling.stop)
+        stream = TextStream(self.model, request.sampling.stop)
         task = Task(
             request,
             reader,
@@ -237,8 +237,7 @@ class LlamaEngine(Engine):
         now = time.monotonic()
         for task in [t for t in self._tasks.values() if t.n_past + 1 + t.prefill_left > self.ctx.n_ctx]:
             self._finish(task, StopReason.LENGTH)
-        resident_sessions = [s for s in self._sessions if s.phase is Phase.CACHED]
-        views = [t.view() for t in self._tasks.values()] + [s.view() for s in resident_sessions]
+        views = [t.view() for t in self._tasks.values()] + [s.view() for s in self.res.resident_sessions()]
         plan = schedule(views, self.budget, now)
         for tid in plan.pause:
             self._pause(tid, now)
@@ -321,98 +320,28 @@ class LlamaEngine(Engine):
 
     # ---- residency: admit, pause, resume, finish --------------------------------------------
 
-    def _take_seq(self) -> int:
-        seq = self._free_seqs.pop(0)  # FIFO: a resumed task usually lands in another sequence
-        assert self.ctx.seq_pos_max(seq) == -1, f"sequence {seq} is not empty"
-        return seq
-
-    def _release_seq(self, holder: Task) -> None:
-        self.ctx.seq_rm(holder.seq)
-        self._free_seqs.append(holder.seq)
-        holder.seq = None
-
     def _admit(self, task: Task, now: float) -> None:
-        session = self._find_session(task)
-        if session is not None and session.phase is Phase.CACHED:
-            task.seq, session.seq = session.seq, None  # take over its sequence as it is
-        else:
-            task.seq = self._take_seq()
-            if session is not None and not self._load(task, session.id, task.seq):
-                session = None
-        if session is not None:
-            task.n_past = task.n_cached = session.n_past
-            self._sessions.remove(session)
-            self.stats.reused_tokens += task.n_cached
-        task.phase, task.since = Phase.RESIDENT, now
+        self.stats.reused_tokens += self.res.admit(task, now)
         self._set_state(task, TaskState.PREFILLING)
 
-    def _find_session(self, task: Task) -> Task | None:
-        """The cached session with the longest state that is a prefix of the task's prompt (all
-        but the prompt's last token, whose logits the task needs)."""
-        prompt = task.request.prompt_tokens
-        best = None
-        for s in self._sessions:
-            n = s.n_past
-            if (
-                0 < n < len(prompt)
-                and (best is None or n > best.n_past)
-                and tuple(s.tokens[:n]) == prompt[:n]
-            ):
-                best = s
-        return best
-
     def _pause(self, tid: int, now: float) -> None:
-        holder = self._tasks.get(tid) or next(s for s in self._sessions if s.id == tid)
-        is_session = holder.reader is None
+        holder = self._tasks.get(tid) or self.res.session(tid)
         try:
-            self._save(holder)
-        except SwapFull as exc:
-            if is_session:  # a cached session is only an optimisation: drop it
-                self._release_seq(holder)
-                self._sessions.remove(holder)
-                return
+            self.res.pause(holder, now)
+        except SwapFull as exc:  # only for tasks: sessions are dropped instead
             log.error("cannot pause task %d: %s", tid, exc)
-            return self._finish(holder, StopReason.ERROR, f"cannot pause: {exc}")
-        self._release_seq(holder)
-        holder.phase, holder.since = Phase.PAUSED, now
+            self._finish(holder, StopReason.ERROR, f"cannot pause: {exc}")
+            return
         self.stats.pauses += 1
-        if not is_session:
+        if holder.reader is not None:
             self._set_state(holder, TaskState.PAUSED)
-        return None
-
-    def _save(self, holder: Task) -> None:
-        t0 = time.perf_counter()
-        size = self.ctx.state_size(holder.seq)
-        buf = self.swap.acquire(size)
-        n = self.ctx.state_save(holder.seq, buf)
-        if n == 0:
-            self.swap.release(buf)
-            raise SwapFull(f"llama_state_seq_get_data wrote nothing for sequence {holder.seq}")
-        where = self.swap.put(holder.id, buf, n)
-        ms = 1000 * (time.perf_counter() - t0)
-        self.events.publish(ev.Swapped(holder.id, "pause", n, ms, where))
-
-    def _load(self, task: Task, key: int, seq: int) -> bool:
-        t0 = time.perf_counter()
-        where = self.swap.where(key)
-        buf, n = self.swap.take(key)
-        ok = self.ctx.state_load(seq, buf, n)
-        self.swap.release(buf)
-        ms = 1000 * (time.perf_counter() - t0)
-        self.events.publish(ev.Swapped(task.id, "resume", n, ms, where))
-        if not ok:
-            log.error("restoring state %d into sequence %d failed", key, seq)
-            self.ctx.seq_rm(seq)
-        return ok
 
     def _resume(self, task: Task, now: float) -> None:
-        task.seq = self._take_seq()
-        if not self._load(task, task.id, task.seq):
-            return self._finish(task, StopReason.ERROR, "restoring its saved state failed")
-        task.phase, task.since = Phase.RESIDENT, now
+        if not self.res.resume(task, now):
+            self._finish(task, StopReason.ERROR, "restoring its saved state failed")
+            return
         self.stats.resumes += 1
         self._set_state(task, TaskState.DECODING if task.prefill_left == 0 else TaskState.PREFILLING)
-        return None
 
     def _finish(self, task: Task, reason: StopReason, error: str | None = None) -> None:
         tail = task.stream.flush()
@@ -422,28 +351,12 @@ class LlamaEngine(Engine):
         del self._tasks[task.id]
         with self._lock:
             self._n_open -= 1
-        keep = reason in (StopReason.STOP, StopReason.LENGTH, StopReason.LOOP) and self.cfg.max_sessions > 0
-        if keep and task.phase in (Phase.RESIDENT, Phase.PAUSED):
-            self._keep_session(task)
-        elif task.phase is Phase.RESIDENT:
-            self._release_seq(task)
-        elif task.phase is Phase.PAUSED:
-            self.swap.drop(task.id)
+        if reason in (StopReason.STOP, StopReason.LENGTH, StopReason.LOOP):
+            self.res.keep_session(task)
+        else:
+            self.res.drop(task)
         self._set_state(task, TaskState.DONE, reason)
         reader.put(finish)  # last: the task's cells are free when its reader sees the end
-
-    def _keep_session(self, task: Task) -> None:
-        task.reader, task.sampler = None, None
-        if task.phase is Phase.RESIDENT:
-            task.phase = Phase.CACHED
-        task.since = time.monotonic()
-        self._sessions.append(task)
-        while len(self._sessions) > self.cfg.max_sessions:
-            old = self._sessions.pop(0)
-            if old.phase is Phase.CACHED:
-                self._release_seq(old)
-            else:
-                self.swap.drop(old.id)
 
     # ---- events and views ------------------------------------------------------------------
 

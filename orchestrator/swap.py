@@ -8,6 +8,7 @@ itself (DEVICE.md measured 7x for a 2.3 GB state). Byte counts are kept as runni
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -131,13 +132,14 @@ class SwapPool:
     def _spill(self, key: int, buf: np.ndarray, nbytes: int) -> Path:
         if self.spill_dir is None:
             raise SwapFull(f"swap RAM limit of {self.ram_limit} bytes reached and no spill folder is set")
-        self.spill_dir.mkdir(parents=True, exist_ok=True)
         path = self.spill_dir / f"task-{key}-{os.getpid()}.state"
         try:
+            self.spill_dir.mkdir(parents=True, exist_ok=True)
             with open(path, "wb") as f:
                 f.write(memoryview(buf)[:nbytes])
         except OSError as exc:
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
             raise SwapFull(f"cannot spill {nbytes} bytes to {self.spill_dir}: {exc.strerror}") from None
         log.info("swap: task %d spilled to disk (%d bytes)", key, nbytes)
         return path

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from orchestrator.engine import TaskReader, _TextStream
+from orchestrator.engine import TaskReader, TextStream
 from orchestrator.llama import Sampler
 from orchestrator.loop_guard import LoopGuard
 from orchestrator.scheduler import Phase, TaskView
@@ -23,7 +23,7 @@ class Task:
     request: GenerationRequest
     reader: TaskReader | None  # None for a cached session
     tokens: list[int]
-    stream: _TextStream
+    stream: TextStream
     guard: LoopGuard
     since: float  # when it last started waiting, or was last made resident
     phase: Phase = Phase.WAITING

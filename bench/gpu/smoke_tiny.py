@@ -3,7 +3,7 @@
 
 Makes the tiny random-weight `qwen35` model (mcformat.tiny), then in one child process per role
 decodes the same 32-token prompt with logits for every position, and generates a greedy 16-token
-continuation through `orchestrator.engine.SimpleEngine`:
+continuation through `orchestrator.llama_engine.LlamaEngine`:
 
   cpu   n_gpu_layers=0 with the GPU hidden (CUDA_VISIBLE_DEVICES=""): a pure CPU reference. With
         the GPU visible, llama.cpp would still run the large matrix products of a 32-token batch
@@ -74,8 +74,8 @@ def run_role(role: str, model_path: Path, out_dir: Path) -> None:
     native.propagate = False
 
     from orchestrator.backend import build_info, llama
-    from orchestrator.engine import SimpleEngine
     from orchestrator.llama import Batch, Context, ContextParams, Model
+    from orchestrator.llama_engine import EngineConfig, LlamaEngine
     from orchestrator.types import GenerationRequest, SamplingParams, TokenEvent
 
     n_gpu_layers = ROLES[role][0]
@@ -92,7 +92,7 @@ def run_role(role: str, model_path: Path, out_dir: Path) -> None:
             logits = np.stack([ctx.logits(i).copy() for i in range(len(tokens))])
     np.save(out_dir / f"{role}.npy", logits)
 
-    engine = SimpleEngine(str(model_path), params, n_gpu_layers)
+    engine = LlamaEngine(str(model_path), EngineConfig(context=params), n_gpu_layers)
     try:
         request = GenerationRequest(tuple(tokens), SamplingParams(temperature=0.0, max_tokens=N_GEN))
         reader = engine.submit(request)

@@ -54,11 +54,11 @@ def test_gguf_has_both_layer_kinds_of_the_real_architecture(tiny_qwen35_path):
 
 
 def test_tiny_qwen35_loads_and_generates_greedily_the_same_twice(tiny_qwen35_path):
-    from orchestrator.engine import SimpleEngine
     from orchestrator.llama import ContextParams
+    from orchestrator.llama_engine import EngineConfig, LlamaEngine
     from orchestrator.types import GenerationRequest, SamplingParams, StopReason
 
-    engine = SimpleEngine(str(tiny_qwen35_path), ContextParams(n_ctx=512, n_batch=64))
+    engine = LlamaEngine(str(tiny_qwen35_path), EngineConfig(context=ContextParams(n_ctx=512, n_batch=64)))
     try:
         prompt = tuple(engine.tokenize("def fibonacci(n):\n    return"))
         runs = []

@@ -1,17 +1,19 @@
-"""The one-at-a-time engine on the real bundled Gemma 3 270M, and its text streaming."""
+"""The engine serving one task at a time on the real bundled Gemma 3 270M, and its text streaming."""
 
 from __future__ import annotations
 
 import pytest
 
-from orchestrator.engine import SimpleEngine, _TextStream
+from orchestrator.engine import TextStream
 from orchestrator.llama import ContextParams
+from orchestrator.llama_engine import EngineConfig, LlamaEngine
 from orchestrator.types import GenerationRequest, InvalidRequest, SamplingParams, StopReason, TokenEvent
 
 
 @pytest.fixture(scope="module")
 def engine(gemma_path):
-    eng = SimpleEngine(str(gemma_path), ContextParams(n_ctx=1024, n_batch=128), model_id="gemma3-270m")
+    ctx = ContextParams(n_ctx=1024, n_batch=128, n_seq_max=1)
+    eng = LlamaEngine(str(gemma_path), EngineConfig(context=ctx, max_sessions=0), model_id="gemma3-270m")
     yield eng
     eng.close()
 
@@ -83,14 +85,14 @@ class _FakeModel:
 
 
 def test_text_stream_holds_back_a_stop_string_split_across_tokens():
-    stream = _TextStream(_FakeModel({1: b"hello EN", 2: b"D more"}), ("END",))
+    stream = TextStream(_FakeModel({1: b"hello EN", 2: b"D more"}), ("END",))
     assert stream.push(1) == "hello "
     assert stream.push(2) == ""
     assert stream.stopped
 
 
 def test_text_stream_releases_a_false_stop_prefix():
-    stream = _TextStream(_FakeModel({1: b"EN", 2: b"Gland"}), ("END",))
+    stream = TextStream(_FakeModel({1: b"EN", 2: b"Gland"}), ("END",))
     assert stream.push(1) == ""
     assert stream.push(2) == "ENGland"
     assert not stream.stopped
@@ -98,7 +100,7 @@ def test_text_stream_releases_a_false_stop_prefix():
 
 def test_text_stream_waits_for_complete_utf8():
     euro = "€".encode()
-    stream = _TextStream(_FakeModel({1: euro[:1], 2: euro[1:]}), ())
+    stream = TextStream(_FakeModel({1: euro[:1], 2: euro[1:]}), ())
     assert stream.push(1) == ""
     assert stream.push(2) == "€"
 

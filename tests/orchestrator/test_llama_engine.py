@@ -145,7 +145,7 @@ def test_cancel_frees_the_task_sequence_at_once(gemma_path):
         assert reader.finish.reason is StopReason.CANCELLED and len(rest) < 400
         _, finish = engine.submit(greedy(engine, "Hello", 3)).text()  # the engine goes on
         assert finish.reason is StopReason.LENGTH
-        assert sorted(engine._free_seqs) == [0, 1, 2, 3]
+        assert sorted(engine.res.free_seqs) == [0, 1, 2, 3]
     finally:
         engine.close()
 
