@@ -18,6 +18,7 @@ import numpy as np
 import psutil
 
 log = logging.getLogger(__name__)
+_MIB = 1 << 20
 
 
 class SwapFull(RuntimeError):
@@ -71,7 +72,9 @@ class SwapPool:
             buf = self._free.pop(best)
             self.free_bytes -= buf.nbytes
             return buf
-        return np.empty(max(nbytes, 1), dtype=np.uint8)
+        # headroom: a task's next state is a little larger (it has decoded since), and should fit
+        capacity = -(-(nbytes + nbytes // 16) // _MIB) * _MIB
+        return np.empty(capacity, dtype=np.uint8)
 
     def release(self, buf: np.ndarray) -> None:
         """Give a buffer back for reuse; the free list keeps at most a quarter of the RAM limit."""
@@ -83,7 +86,7 @@ class SwapPool:
         """Store `buf[:nbytes]` as the state of `key`; returns "ram" or "disk". Raises SwapFull."""
         if key in self._entries:
             raise KeyError(f"task {key} already has a swapped state")
-        if self._ram_ok(nbytes):
+        if self._ram_ok(buf.nbytes):
             self._entries[key] = _Entry(nbytes, buf)
             self.ram_bytes += buf.nbytes
             return "ram"

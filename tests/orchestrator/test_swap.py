@@ -15,40 +15,41 @@ def _state(pool: SwapPool, n: int, fill: int) -> np.ndarray:
 
 
 def test_put_take_round_trip_and_running_counts():
-    pool = SwapPool(ram_limit_bytes=1 << 20)
+    pool = SwapPool(ram_limit_bytes=4 << 20)
     pool.put(1, _state(pool, 1000, 7), 1000)
     pool.put(2, _state(pool, 3000, 9), 3000)
-    assert pool.ram_bytes == 4000 and pool.disk_bytes == 0 and len(pool) == 2
+    mib = 1 << 20  # buffers are whole MiB with headroom
+    assert pool.ram_bytes == 2 * mib and pool.disk_bytes == 0 and len(pool) == 2
     buf, n = pool.take(1)
     assert n == 1000 and (buf[:n] == 7).all()
-    assert pool.ram_bytes == 3000 and 1 not in pool
+    assert pool.ram_bytes == mib and 1 not in pool
     pool.release(buf)
-    assert pool.free_bytes == 1000
+    assert pool.free_bytes == mib
 
 
-def test_released_buffers_are_reused():
-    pool = SwapPool(ram_limit_bytes=1 << 20)
-    first = pool.acquire(5000)
+def test_released_buffers_are_reused_even_for_a_slightly_larger_state():
+    pool = SwapPool(ram_limit_bytes=64 << 20)
+    first = pool.acquire(3_000_000)
     pool.release(first)
-    again = pool.acquire(4000)
+    again = pool.acquire(3_000_000 + 6_000)  # the same task, a few tokens later
     assert again is first and pool.free_bytes == 0
 
 
 def test_over_the_ram_limit_states_spill_to_disk_and_come_back_intact(tmp_path):
-    pool = SwapPool(ram_limit_bytes=4096, spill_dir=tmp_path, min_free_ram_bytes=0)
+    pool = SwapPool(ram_limit_bytes=1 << 20, spill_dir=tmp_path, min_free_ram_bytes=0)
     pool.put(1, _state(pool, 3000, 1), 3000)
     assert pool.put(2, _state(pool, 3000, 2), 3000) == "disk"
     assert pool.where(1) == "ram" and pool.where(2) == "disk"
-    assert pool.ram_bytes == 3000 and pool.disk_bytes == 3000
+    assert pool.ram_bytes == 1 << 20 and pool.disk_bytes == 3000
     buf, n = pool.take(2)
     assert n == 3000 and (buf[:n] == 2).all()
     assert pool.disk_bytes == 0 and not list(tmp_path.iterdir())
 
 
 def test_without_a_spill_folder_a_full_pool_refuses_and_keeps_what_it_has():
-    pool = SwapPool(ram_limit_bytes=4096, spill_dir=None, min_free_ram_bytes=0)
+    pool = SwapPool(ram_limit_bytes=1 << 20, spill_dir=None, min_free_ram_bytes=0)
     pool.put(1, _state(pool, 3000, 1), 3000)
-    with pytest.raises(SwapFull, match="RAM limit of 4096 bytes"):
+    with pytest.raises(SwapFull, match="RAM limit of 1048576 bytes"):
         pool.put(2, _state(pool, 3000, 2), 3000)
     buf, _ = pool.take(1)
     assert (buf[:3000] == 1).all()
@@ -63,7 +64,7 @@ def test_unwritable_spill_folder_is_a_clear_error(tmp_path):
 
 
 def test_drop_and_close_release_everything(tmp_path):
-    pool = SwapPool(ram_limit_bytes=2000, spill_dir=tmp_path, min_free_ram_bytes=0)
+    pool = SwapPool(ram_limit_bytes=1 << 20, spill_dir=tmp_path, min_free_ram_bytes=0)
     pool.put(1, _state(pool, 1500, 1), 1500)
     pool.put(2, _state(pool, 1500, 2), 1500)  # spills
     pool.drop(2)
