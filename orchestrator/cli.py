@@ -36,6 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     settings_mod.add_flags(serve)
+    serve.add_argument(
+        "--print-command",
+        choices=["sh", "bat"],
+        default=None,
+        help="print these settings as one serve line for sh or a .bat file, and exit",
+    )
+    serve.add_argument("--print-config", action="store_true", help="print these settings as TOML, and exit")
     bench = sub.add_parser("bench", help="measure prefill and decode speed of a model on this machine")
     settings_mod.add_flags(bench)
     bench.add_argument("--prompt-tokens", type=int, default=256, help="prompt length to prefill")
@@ -93,7 +100,7 @@ def cmd_serve(settings: settings_mod.Settings) -> int:
     engine = None
     try:
         engine = _engine(settings, resolved)
-        server.app = create_app(engine, settings.api_key)
+        server.app = create_app(engine, settings.api_key, settings.sampling_defaults())
         print(f"MegaCapybara serving {resolved.name} at http://{settings.host}:{server.port}/v1", flush=True)
         server.serve_forever()
     except KeyboardInterrupt:
@@ -124,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     except settings_mod.SettingsError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
+    if args.command == "serve" and (args.print_command or args.print_config):
+        from orchestrator import commands
+
+        out = commands.command_line(settings, args.print_command) if args.print_command else None
+        print(out if out is not None else commands.to_toml(settings), end="\n" if out else "")
+        return 0
     _setup_logging(settings.log_level)
     try:
         if args.command == "serve":

@@ -14,6 +14,7 @@ import queue
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from orchestrator.events import EventBus
 from orchestrator.llama import Model
 from orchestrator.types import (
     FinishEvent,
@@ -88,6 +89,19 @@ class Engine(abc.ABC):
     @property
     @abc.abstractmethod
     def info(self) -> ModelInfo: ...
+
+    @property
+    @abc.abstractmethod
+    def events(self) -> EventBus:
+        """The bus of typed engine events (orchestrator.events) for the websocket face."""
+
+    @abc.abstractmethod
+    def slots(self) -> list[dict]:
+        """Every open task: id, state, tokens, resident/swapped/waiting, seconds open."""
+
+    @abc.abstractmethod
+    def metrics(self) -> dict[str, float]:
+        """Counters and gauges for /metrics: names to numbers (see docs/http.md)."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -79,7 +79,23 @@ class Model(_Owned):
         llama().llama_model_desc(self._ptr, buf, len(buf))
         return buf.value.decode(errors="replace")
 
+    def chat_template_source(self) -> str | None:
+        """The GGUF's Jinja chat template (tokenizer.chat_template), if it has one."""
+        raw = llama().llama_model_chat_template(self._ptr, None)
+        return raw.decode(errors="replace") if raw else None
+
+    def special_text(self, which: str) -> str:
+        """Text of the BOS or EOS token ("bos"/"eos"), "" when the vocabulary has none."""
+        if self.meta(f"tokenizer.ggml.{which}_token_id") is None:
+            return ""  # llama.cpp would answer a default id the model never set
+        lc = llama()
+        token = lc.llama_vocab_bos(self.vocab) if which == "bos" else lc.llama_vocab_eos(self.vocab)
+        return self.token_bytes(token, special=True).decode(errors="replace") if token >= 0 else ""
+
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        bos = self.special_text("bos") if add_special and parse_special else ""
+        if bos and text.startswith(bos):  # a chat template that writes BOS itself: not twice
+            add_special = False
         data = text.encode()
         n_max = len(data) + 16
         buf = (ctypes.c_int32 * n_max)()
@@ -101,9 +117,11 @@ class Model(_Owned):
         return bool(llama().llama_vocab_is_eog(self.vocab, token))
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_assistant: bool = True) -> str:
-        """Format chat messages with the model's own template (llama.cpp's built-in matcher).
+        """Format chat messages with llama.cpp's built-in templates (matched from the GGUF's
+        template, or by architecture when it has none); orchestrator.chat_template renders the
+        GGUF's Jinja template itself and falls back to this.
 
-        Raises ValueError when the model has no template llama.cpp recognises.
+        Raises ValueError when llama.cpp recognises no template.
         """
         lc = llama()
         tmpl = lc.llama_model_chat_template(self._ptr, None) or self._fallback_template()
@@ -152,6 +170,7 @@ class ContextParams:
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
     kv_unified: bool = True
+    yarn_factor: float = 1.0  # > 1: YaRN context extension by this factor over the trained context
 
 
 class Context(_Owned):
@@ -169,6 +188,10 @@ class Context(_Owned):
         cp.type_k = KV_TYPES[params.cache_type_k]
         cp.type_v = KV_TYPES[params.cache_type_v]
         cp.kv_unified = params.kv_unified
+        if params.yarn_factor > 1.0:
+            cp.rope_scaling_type = 2  # LLAMA_ROPE_SCALING_TYPE_YARN
+            cp.rope_freq_scale = 1.0 / params.yarn_factor
+            cp.yarn_orig_ctx = model.n_ctx_train
         cp.no_perf = True
         ptr = lc.llama_init_from_model(model.ptr, cp)
         if not ptr:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from orchestrator import events as ev
 from orchestrator.backend import check_backend
+from orchestrator.chat_template import ChatTemplate
 from orchestrator.engine import Engine, ModelInfo, TaskReader, TextStream
 from orchestrator.llama import Batch, Context, ContextParams, Model, Sampler
 from orchestrator.loop_guard import LoopGuard, LoopGuardConfig
@@ -68,6 +69,7 @@ def config_from_settings(settings) -> EngineConfig:
         flash_attn=settings.flash_attn,
         cache_type_k=settings.cache_type_k,
         cache_type_v=settings.cache_type_v,
+        yarn_factor=settings.yarn_factor,
     )
     guard = LoopGuardConfig(
         settings.loop_guard,
@@ -115,8 +117,9 @@ class LlamaEngine(Engine):
         self.model = Model(model_path, n_gpu_layers)
         self.ctx = Context(self.model, config.context)
         self.batch = Batch(config.context.n_batch)
+        self._chat = ChatTemplate(self.model)
         self.swap = SwapPool(config.swap_ram_bytes, config.swap_dir)
-        self.events = ev.EventBus()
+        self._events = ev.EventBus()
         self.stats = EngineStats()
         slots = config.context.n_seq_max
         self.budget = Budget(slots, self.ctx.n_ctx, config.context.n_batch, config.chunk,
@@ -131,6 +134,7 @@ class LlamaEngine(Engine):
         self._running = True
         self._window = (time.monotonic(), 0, 0)
         self._slot_view: list[dict] = []
+        self._last_throughput: dict = {}
         self._thread = threading.Thread(target=self._loop, name="mc-engine", daemon=True)
         self._thread.start()
         log.info("engine: %d slots, %d KV cells, batch %d, chunk %d", slots, self.ctx.n_ctx,
@@ -142,11 +146,41 @@ class LlamaEngine(Engine):
     def info(self) -> ModelInfo:
         return self._info
 
+    @property
+    def events(self) -> ev.EventBus:
+        return self._events
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            slots, last = list(self._slot_view), dict(self._last_throughput)
+        where = [s["where"] for s in slots]
+        st = self.stats
+        return {
+            "mc_generated_tokens_total": st.decoded_tokens,
+            "mc_prefilled_tokens_total": st.prefilled_tokens,
+            "mc_reused_prompt_tokens_total": st.reused_tokens,
+            "mc_steps_total": st.steps,
+            "mc_pauses_total": st.pauses,
+            "mc_resumes_total": st.resumes,
+            "mc_loop_guard_actions_total": st.loop_actions,
+            "mc_tokens_per_second": last.get("tok_s", 0.0),
+            "mc_prefill_tokens_per_second": last.get("prefill_tok_s", 0.0),
+            "mc_tasks_running": where.count("resident"),
+            "mc_tasks_waiting": where.count("waiting"),
+            "mc_tasks_paused": where.count("swapped"),
+            "mc_slots_total": self.budget.n_slots,
+            "mc_kv_cells_total": self.budget.n_cells,
+            "mc_kv_cells_used": sum(s["cells"] for s in slots),
+            "mc_swap_bytes": self.swap.ram_bytes + self.swap.disk_bytes,
+            "mc_swap_disk_bytes": self.swap.disk_bytes,
+            "mc_cached_sessions": len(self.res.sessions),
+        }
+
     def tokenize(self, text: str) -> list[int]:
         return self.model.tokenize(text)
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
-        return self.model.apply_chat_template(messages)
+        return self._chat.render(messages)
 
     def submit(self, request: GenerationRequest) -> TaskReader:
         if len(request.prompt_tokens) + 1 > self.ctx.n_ctx:
@@ -372,16 +406,17 @@ class LlamaEngine(Engine):
             return
         tasks = list(self._tasks.values())
         count = {p: sum(t.phase is p for t in tasks) for p in Phase}
-        self.events.publish(
-            ev.Throughput(
-                (self.stats.decoded_tokens - dec0) / (now - t0),
-                (self.stats.prefilled_tokens - pre0) / (now - t0),
-                count[Phase.RESIDENT],
-                count[Phase.WAITING],
-                count[Phase.PAUSED],
-                self.swap.ram_bytes + self.swap.disk_bytes,
-            )
+        event = ev.Throughput(
+            (self.stats.decoded_tokens - dec0) / (now - t0),
+            (self.stats.prefilled_tokens - pre0) / (now - t0),
+            count[Phase.RESIDENT],
+            count[Phase.WAITING],
+            count[Phase.PAUSED],
+            self.swap.ram_bytes + self.swap.disk_bytes,
         )
+        self.events.publish(event)
+        with self._lock:
+            self._last_throughput = {"tok_s": event.tok_s, "prefill_tok_s": event.prefill_tok_s}
         self._window = (now, self.stats.decoded_tokens, self.stats.prefilled_tokens)
 
     def _publish_views(self) -> None:

@@ -43,6 +43,13 @@ REGISTRY = {
             filename="Qwen3.8-27B-MC-Q4_K_M.gguf",
         ),
         ModelEntry(
+            "qwen3.8-27b-mc-q8_0",
+            "Qwen3.8 27B, MC weights Q8_0 (near lossless)",
+            "huggingface",
+            repo_id="megacapybara/Qwen3.8-27B-MC-GGUF",
+            filename="Qwen3.8-27B-MC-Q8_0.gguf",
+        ),
+        ModelEntry(
             "tiny-qwen35", "tiny random-weight qwen35 (tests)", "generated", filename="tiny-qwen35-bf16.gguf"
         ),
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
@@ -43,12 +44,12 @@ def _typed(body: dict, name: str, kind: type):
     return kind(value)
 
 
-def sampling_from(body: dict, default_max_tokens: int) -> SamplingParams:
-    """SamplingParams from an OpenAI request body; InvalidRequest names a bad field."""
+def sampling_from(body: dict, defaults: SamplingParams) -> SamplingParams:
+    """SamplingParams from an OpenAI request body over the server's defaults; InvalidRequest
+    names a bad field."""
     values = {k: v for k, kind in _NUMBER_FIELDS.items() if (v := _typed(body, k, kind)) is not None}
     if (v := _typed(body, "max_completion_tokens", int)) is not None:
         values["max_tokens"] = v
-    values.setdefault("max_tokens", default_max_tokens)
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):
@@ -56,7 +57,7 @@ def sampling_from(body: dict, default_max_tokens: int) -> SamplingParams:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise InvalidRequest("stop", "must be a string or a list of strings")
         values["stop"] = tuple(stop)
-    return SamplingParams(**values)
+    return dataclasses.replace(defaults, **values)
 
 
 def _message_text(i: int, message) -> dict[str, str]:
@@ -85,7 +86,7 @@ def check_model(body: dict, engine: Engine) -> None:
         )
 
 
-def chat_request(body: dict, engine: Engine, default_max_tokens: int) -> GenerationRequest:
+def chat_request(body: dict, engine: Engine, defaults: SamplingParams) -> GenerationRequest:
     """A GenerationRequest from a /v1/chat/completions body."""
     check_model(body, engine)
     messages = body.get("messages")
@@ -96,11 +97,11 @@ def chat_request(body: dict, engine: Engine, default_max_tokens: int) -> Generat
         prompt = engine.chat_prompt(chat)
     except ValueError as exc:
         raise InvalidRequest("messages", str(exc)) from None
-    sampling = sampling_from(body, default_max_tokens)
+    sampling = sampling_from(body, defaults)
     return GenerationRequest(tuple(engine.tokenize(prompt)), sampling)
 
 
-def completion_request(body: dict, engine: Engine, default_max_tokens: int) -> GenerationRequest:
+def completion_request(body: dict, engine: Engine, defaults: SamplingParams) -> GenerationRequest:
     """A GenerationRequest from a /v1/completions body (prompt as a string)."""
     check_model(body, engine)
     prompt = body.get("prompt")
@@ -108,7 +109,7 @@ def completion_request(body: dict, engine: Engine, default_max_tokens: int) -> G
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise InvalidRequest("prompt", "must be a non-empty string")
-    return GenerationRequest(tuple(engine.tokenize(prompt)), sampling_from(body, default_max_tokens))
+    return GenerationRequest(tuple(engine.tokenize(prompt)), sampling_from(body, defaults))
 
 
 def new_id(prefix: str) -> str:

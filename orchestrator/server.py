@@ -17,28 +17,35 @@ from werkzeug.serving import BaseWSGIServer, make_server
 
 from orchestrator import openai_api as api
 from orchestrator.engine import Engine, TaskReader
-from orchestrator.types import FinishEvent, InvalidRequest, TokenEvent
+from orchestrator.types import FinishEvent, InvalidRequest, SamplingParams, TokenEvent
+from orchestrator.websocket import register_websocket
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 * 1024 * 1024
-DEFAULT_MAX_TOKENS = 512
 
 
-def create_app(engine: Engine, api_key: str = "") -> Flask:
-    """The Flask app serving `engine`; `api_key` non-empty requires `Authorization: Bearer`."""
+def create_app(engine: Engine, api_key: str = "", defaults: SamplingParams | None = None) -> Flask:
+    """The Flask app serving `engine`; `api_key` non-empty requires `Authorization: Bearer`;
+    `defaults` are the sampling values of requests that leave them out."""
+    defaults = defaults or SamplingParams()
     app = Flask("megacapybara")
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
 
     @app.before_request
     def _auth():
-        authorized = request.headers.get("Authorization", "") == f"Bearer {api_key}"
-        if api_key and request.path.startswith("/v1/") and not authorized:
+        # everything but /health; browsers cannot set headers on a websocket: ?api_key= there
+        given = request.headers.get("Authorization", "") == f"Bearer {api_key}"
+        given = given or (request.path == "/ws" and request.args.get("api_key") == api_key)
+        if api_key and request.path != "/health" and not given:
             return _error("missing or wrong API key (Authorization: Bearer <key>)", 401)
         return None
 
     @app.errorhandler(InvalidRequest)
     def _invalid(exc: InvalidRequest):
-        return _error(str(exc), exc.status, exc.field)
+        resp = _error(str(exc), exc.status, exc.field)
+        if exc.status == 503:
+            resp.headers["Retry-After"] = "2"
+        return resp
 
     @app.errorhandler(HTTPException)
     def _http(exc: HTTPException):
@@ -50,6 +57,18 @@ def create_app(engine: Engine, api_key: str = "") -> Flask:
     def health():
         return jsonify({"status": "ok", "model": engine.info.id})
 
+    @app.get("/metrics")
+    def metrics():
+        lines = []
+        for name, value in engine.metrics().items():
+            kind = "counter" if name.endswith("_total") else "gauge"
+            lines += [f"# TYPE {name} {kind}", f'{name}{{model="{engine.info.id}"}} {value}']
+        return Response("\n".join(lines) + "\n", mimetype="text/plain; version=0.0.4")
+
+    @app.get("/slots")
+    def slots():
+        return jsonify({"object": "list", "data": engine.slots()})
+
     @app.get("/v1/models")
     def models():
         info = engine.info
@@ -59,7 +78,7 @@ def create_app(engine: Engine, api_key: str = "") -> Flask:
     @app.post("/v1/chat/completions")
     def chat_completions():
         body = _json_body()
-        gen = api.chat_request(body, engine, DEFAULT_MAX_TOKENS)
+        gen = api.chat_request(body, engine, defaults)
         reader = engine.submit(gen)
         rid, model = api.new_id("chatcmpl"), engine.info.id
         if body.get("stream"):
@@ -70,13 +89,14 @@ def create_app(engine: Engine, api_key: str = "") -> Flask:
     @app.post("/v1/completions")
     def completions():
         body = _json_body()
-        reader = engine.submit(api.completion_request(body, engine, DEFAULT_MAX_TOKENS))
+        reader = engine.submit(api.completion_request(body, engine, defaults))
         rid, model = api.new_id("cmpl"), engine.info.id
         if body.get("stream"):
             return _sse(_completion_stream(reader, rid, model))
         text, finish = reader.text()
         return jsonify(api.completion_response(rid, model, text, finish))
 
+    register_websocket(app, engine, defaults)
     return app
 
 

@@ -1,7 +1,8 @@
 """One settings schema: every setting declared once with type, default, allowed values and help.
 
-The CLI flags and the `MC_*` environment variables are generated from `Settings`' fields; the
-launcher, config file and "copy as command" faces are generated from the same declarations.
+The CLI flags, the `MC_*` environment variables and the TOML config file are read through
+`Settings`' fields; "copy as command" text and TOML are written from them (orchestrator.commands),
+and the launcher builds its widgets and "?" help from the same declarations.
 Environment variables are read here and nowhere else.
 """
 
@@ -10,8 +11,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 ENV_PREFIX = "MC_"
 
@@ -33,8 +36,8 @@ KV_CACHE_TYPES = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 class Settings:
     model: str = setting(
         "auto",
-        "Which model to serve: a path to a .gguf file, or a registry name (gemma3-270m, "
-        "qwen3.8-27b-mc, tiny-qwen35). 'auto' picks the Qwen3.8 27B MC weights on a CUDA build "
+        "Which model to serve: a path to a .gguf file, or a registry name (gemma3-270m, qwen3.8-27b-mc, "
+        "qwen3.8-27b-mc-q8_0, tiny-qwen35). 'auto' picks the Qwen3.8 27B MC weights on a CUDA build "
         "with a GPU, and the bundled Gemma 3 270M otherwise.",
     )
     ctx: int = setting(
@@ -92,6 +95,48 @@ class Settings:
         "f16",
         "Number format of the attention values kept for every token (quantized types need flash attention).",
         choices=KV_CACHE_TYPES,
+    )
+    yarn_factor: float = setting(
+        1.0,
+        "Stretch the model's trained context with YaRN by this factor (Qwen3.8 27B: 262,144 tokens "
+        "native, 4 gives about 1M). 1 turns it off. Costs a little quality on short prompts; the MC "
+        "weights' metadata shows how much for each factor.",
+        lo=1.0,
+        hi=8.0,
+    )
+    temperature: float = setting(
+        0.7,
+        "Default sampling temperature for requests that do not set one: 0 always picks the most "
+        "likely token, higher is more varied.",
+        lo=0.0,
+        hi=5.0,
+    )
+    top_p: float = setting(
+        0.95,
+        "Default nucleus sampling: keep the likeliest tokens up to this total probability.",
+        lo=0.0,
+        hi=1.0,
+    )
+    top_k: int = setting(
+        40, "Default: sample among this many likeliest tokens only (0: all).", lo=0, hi=1_000_000
+    )
+    min_p: float = setting(
+        0.05, "Default: drop tokens less likely than this fraction of the likeliest one.", lo=0.0, hi=1.0
+    )
+    repeat_penalty: float = setting(
+        1.0,
+        "Default repetition penalty on recent tokens (1: none; the loop guard acts on its own).",
+        lo=0.0,
+        hi=10.0,
+    )
+    max_tokens: int = setting(
+        512, "Default most tokens of an answer for requests that do not set max_tokens.", lo=1, hi=10_000_000
+    )
+    speculative: str = setting(
+        "none",
+        "[placeholder: speculative decoding is not built yet; only 'none' is accepted] How the engine "
+        "drafts tokens ahead to verify in one step (n-gram lookup, the MTP head, DFlash drafters).",
+        choices=("none",),
     )
     swap_ram_mb: int = setting(
         0,
@@ -159,7 +204,9 @@ class Settings:
     host: str = setting(
         "127.0.0.1", "Address the HTTP server listens on. 0.0.0.0 makes it reachable from other machines."
     )
-    port: int = setting(8080, "TCP port of the HTTP server.", lo=1, hi=65_535)
+    port: int = setting(
+        8080, "TCP port of the HTTP server; 0 picks a free one (printed at start).", lo=0, hi=65_535
+    )
     api_key: str = setting(
         "",
         "If set, every HTTP request must carry 'Authorization: Bearer <key>'. Empty: no key needed.",
@@ -175,6 +222,19 @@ class Settings:
         choices=("debug", "info", "warning", "error"),
     )
 
+    def sampling_defaults(self):
+        """The SamplingParams a request starts from (its own fields override these)."""
+        from orchestrator.types import SamplingParams
+
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repeat_penalty=self.repeat_penalty,
+            max_tokens=self.max_tokens,
+        )
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value, meta = getattr(self, f.name), f.metadata
@@ -185,16 +245,56 @@ class Settings:
                 raise SettingsError(f"{f.name}: must be between {meta['lo']} and {meta['hi']} (got {value})")
 
     @classmethod
-    def load(cls, cli: Mapping[str, object] | None = None, env: Mapping[str, str] | None = None) -> Settings:
-        """Defaults, overridden by MC_* environment variables, overridden by CLI values."""
+    def load(
+        cls,
+        cli: Mapping[str, object] | None = None,
+        env: Mapping[str, str] | None = None,
+        config: str | Path | None = None,
+    ) -> Settings:
+        """Defaults, overridden by the TOML config file, then MC_* environment variables, then CLI
+        values. The config file may also be named by MC_CONFIG."""
         env = os.environ if env is None else env
-        values = {}
+        config = config or env.get(ENV_PREFIX + "CONFIG")
+        values = load_config(config) if config else {}
         for f in dataclasses.fields(cls):
             raw = env.get(env_name(f.name))
             if raw is not None:
                 values[f.name] = parse_value(f, raw, source=env_name(f.name))
         values.update({k: v for k, v in (cli or {}).items() if v is not None})
         return cls(**values)
+
+
+def load_config(path: str | Path) -> dict:
+    """Setting values from a TOML file of `name = value` lines (names as in the settings).
+
+    Raises SettingsError naming the file and the key for an unknown key or a wrong type."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise SettingsError(f"config: no such file {path}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"config: {path} is not valid TOML ({exc})") from None
+    fields = {f.name: f for f in dataclasses.fields(Settings)}
+    values = {}
+    for key, value in data.get("megacapybara", data).items():
+        f = fields.get(key)
+        if f is None:
+            raise SettingsError(f"config: {path}: unknown setting {key!r}")
+        kind = _kind(f)
+        ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            raise SettingsError(f"config: {path}: {key} must be {kind.__name__} (got {value!r})")
+        values[key] = value
+    return values
+
+
+def _kind(f: dataclasses.Field) -> type:
+    return (
+        f.type if isinstance(f.type, type) else {"int": int, "str": str, "bool": bool, "float": float}[f.type]
+    )
 
 
 def env_name(name: str) -> str:
@@ -207,9 +307,7 @@ def flag_name(name: str) -> str:
 
 def parse_value(f: dataclasses.Field, raw: str, source: str):
     """Convert text (an env var or flag) to the field's type; SettingsError names the source."""
-    kind = (
-        f.type if isinstance(f.type, type) else {"int": int, "str": str, "bool": bool, "float": float}[f.type]
-    )
+    kind = _kind(f)
     if kind is bool:
         low = raw.strip().lower()
         if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
@@ -224,7 +322,13 @@ def parse_value(f: dataclasses.Field, raw: str, source: str):
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per setting; unset flags stay None so env/defaults apply."""
+    """Add one flag per setting, and --config; unset flags stay None so env/config/defaults apply."""
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE.toml",
+        help="Read settings from this TOML file (name = value).",
+    )
     for f in dataclasses.fields(Settings):
         meta = f.metadata
         extra = f" Allowed: {', '.join(meta['choices'])}." if meta["choices"] else ""
@@ -254,4 +358,5 @@ def _flag_value(f: dataclasses.Field, raw: str):
 
 
 def from_args(ns: argparse.Namespace) -> Settings:
-    return Settings.load({f.name: getattr(ns, f.name, None) for f in dataclasses.fields(Settings)})
+    cli = {f.name: getattr(ns, f.name, None) for f in dataclasses.fields(Settings)}
+    return Settings.load(cli, config=getattr(ns, "config", None))

@@ -43,7 +43,7 @@ def test_missing_model_file(tmp_path):
 @pytest.mark.parametrize(
     ("flag", "value", "expected"),
     [
-        ("--port", "70000", "port: must be between 1 and 65535"),
+        ("--port", "70000", "port: must be between 0 and 65535"),
         ("--port", "eighty", "--port: must be int"),
         ("--cache-type-k", "q3_k", "cache_type_k: must be one of f16, bf16, q8_0"),
     ],

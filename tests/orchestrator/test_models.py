@@ -21,7 +21,9 @@ def test_a_path_is_used_as_is(tiny_qwen35_path):
 
 
 def test_unknown_name_lists_the_registry():
-    with pytest.raises(models.ModelNotFound, match=r"gemma3-270m, qwen3\.8-27b-mc, tiny-qwen35"):
+    with pytest.raises(
+        models.ModelNotFound, match=r"gemma3-270m, qwen3\.8-27b-mc, qwen3\.8-27b-mc-q8_0, tiny-qwen35"
+    ):
         models.resolve("llama-9000", gpu=False)
 
 

@@ -3,59 +3,16 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import threading
-import urllib.error
 import urllib.request
 
 import pytest
 
-
-class ServerProcess:
-    def __init__(self, port: int, *args: str):
-        cmd = [sys.executable, "-m", "orchestrator", "serve", "--port", str(port), "--ctx", "2048", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.stderr_lines: list[str] = []
-        self._drain = threading.Thread(target=self._read_stderr, daemon=True)
-        self._drain.start()
-        line = self.proc.stdout.readline()  # printed once the model is loaded
-        if "serving" not in line:
-            self.stop()
-            raise RuntimeError(f"server did not start: {line!r} {''.join(self.stderr_lines)}")
-        self.url = line.split(" at ")[1].strip()
-
-    def _read_stderr(self) -> None:
-        for line in self.proc.stderr:
-            self.stderr_lines.append(line)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
+from tests.orchestrator.conftest import post
 
 
-@pytest.fixture(scope="module")
-def server(gemma_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = ServerProcess(port)
-    yield srv
-    srv.stop()
-
-
-def _post(url: str, body: dict | bytes, headers: dict | None = None) -> tuple[int, dict]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(
-        url, data=data, headers={"Content-Type": "application/json", **(headers or {})}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+def _post(url: str, body: dict | bytes) -> tuple[int, dict]:
+    status, data, _ = post(url, body)
+    return status, data
 
 
 def test_startup_log_shows_the_patch_series_hash(server, build_script):
