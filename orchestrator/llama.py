@@ -84,6 +84,11 @@ class Model(_Owned):
         raw = llama().llama_model_chat_template(self._ptr, None)
         return raw.decode(errors="replace") if raw else None
 
+    def bos_if_added(self) -> int | None:
+        """The BOS token id if tokenizing with add_special puts one first, else None."""
+        lc = llama()
+        return int(lc.llama_vocab_bos(self.vocab)) if lc.llama_vocab_get_add_bos(self.vocab) else None
+
     def special_text(self, which: str) -> str:
         """Text of the BOS or EOS token ("bos"/"eos"), "" when the vocabulary has none."""
         if self.meta(f"tokenizer.ggml.{which}_token_id") is None:
