@@ -13,7 +13,6 @@ import sys
 from orchestrator import settings as settings_mod
 
 PLANNED = {
-    "build-weights": "build MC weights from a BF16 checkpoint (issue #5: MC weights)",
     "compare": "compare GGUF quants side by side (issue #5: MC weights)",
     "download": "download MC weights from Hugging Face (issue #5: MC weights)",
     "launch": "open the Tkinter launcher (the launcher issue)",
@@ -50,6 +49,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--json", dest="json_out", default=None, help="also write the figures to this JSON file"
     )
+    bw = sub.add_parser(
+        "build-weights", help="build MC weights (quants + measured quality) from a BF16 checkpoint"
+    )
+    bw.add_argument(
+        "source", help="Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json)"
+    )
+    bw.add_argument("--out", required=True, help="output folder (rerun with the same folder to resume)")
+    bw.add_argument("--quants", default="Q8_0,Q6_K,Q4_K_M,Q2_K", help="comma-separated quant types")
+    bw.add_argument("--kv", default="f16,q8_0,q4_0", help="KV cache types to evaluate")
+    bw.add_argument("--yarn", default="1", help="YaRN factors to evaluate, e.g. 1,2,4")
+    bw.add_argument("--ctx", type=int, default=512, help="evaluation chunk length in tokens")
+    bw.add_argument("--chunks", type=int, default=4, help="chunks of the corpus to evaluate")
+    bw.add_argument("--name", default="", help="model name in the files (default: the source folder's)")
+    bw.add_argument("--gpu-layers", type=int, default=0)
     for name, text in PLANNED.items():
         p = sub.add_parser(name, help=f"{text} [not available yet]")
         p.add_argument("rest", nargs=argparse.REMAINDER)
@@ -120,12 +133,40 @@ def cmd_bench(settings: settings_mod.Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_build_weights(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from mcformat.builder import BuildError, BuildPlan, build
+
+    _setup_logging("warning")
+    try:
+        plan = BuildPlan(
+            Path(args.source),
+            Path(args.out),
+            quants=tuple(q for q in args.quants.split(",") if q),
+            kv_types=tuple(k for k in args.kv.split(",") if k),
+            yarn_factors=tuple(float(y) for y in args.yarn.split(",") if y),
+            n_ctx=args.ctx,
+            n_chunks=args.chunks,
+            n_gpu_layers=args.gpu_layers,
+            name=args.name,
+        )
+        data = build(plan)
+    except (BuildError, ValueError) as exc:
+        print(f"megacapybara build-weights: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"built {', '.join(data['outputs'])} in {args.out} (manifest.json)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     prog = f"megacapybara {args.command}"
     if args.command in PLANNED:
         print(f"{prog}: error: not available yet in this version: {PLANNED[args.command]}", file=sys.stderr)
         return 2
+    if args.command == "build-weights":
+        return cmd_build_weights(args)
     try:
         settings = settings_mod.from_args(args)
     except settings_mod.SettingsError as exc:
