@@ -14,7 +14,6 @@ from orchestrator import settings as settings_mod
 
 PLANNED = {
     "compare": "compare GGUF quants side by side (issue #5: MC weights)",
-    "download": "download MC weights from Hugging Face (issue #5: MC weights)",
     "launch": "open the Tkinter launcher (the launcher issue)",
 }
 
@@ -63,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     bw.add_argument("--chunks", type=int, default=4, help="chunks of the corpus to evaluate")
     bw.add_argument("--name", default="", help="model name in the files (default: the source folder's)")
     bw.add_argument("--gpu-layers", type=int, default=0)
+    dl = sub.add_parser("download", help="list or download MC weights from a Hugging Face repository")
+    dl.add_argument("repo", nargs="?", default="megacapybara/Qwen3.8-27B-MC-GGUF", help="owner/name")
+    dl.add_argument("file", nargs="?", help="the .gguf file to download (without it: list them)")
     for name, text in PLANNED.items():
         p = sub.add_parser(name, help=f"{text} [not available yet]")
         p.add_argument("rest", nargs=argparse.REMAINDER)
@@ -159,6 +161,27 @@ def cmd_build_weights(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_download(args: argparse.Namespace) -> int:
+    from mcformat import metadata
+    from mcformat.download import DownloadError, download, list_weights
+    from orchestrator.models import models_dir
+
+    _setup_logging("warning")
+    try:
+        if not args.file:
+            for f in list_weights(args.repo):
+                print(f"{f.path}  {f.size / 1e9:.2f} GB")
+            return 0
+        path = download(args.repo, args.file, models_dir())
+    except DownloadError as exc:
+        print(f"megacapybara download: error: {exc}", file=sys.stderr)
+        return 1
+    meta = metadata.read(path)
+    what = f"MC weights, {len(meta.results)} measured settings" if meta else "no MC metadata"
+    print(f"{path}  ({what})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     prog = f"megacapybara {args.command}"
@@ -167,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "build-weights":
         return cmd_build_weights(args)
+    if args.command == "download":
+        return cmd_download(args)
     try:
         settings = settings_mod.from_args(args)
     except settings_mod.SettingsError as exc:

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
 
@@ -102,26 +100,20 @@ def tiny_qwen35() -> Path:
     return ensure_tiny_qwen35(models_dir() / "tiny-qwen35")
 
 
-def hub_endpoint() -> str:
-    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+def hub_reachable() -> bool:
+    from mcformat.download import DownloadError, check_reachable
 
-
-def hub_reachable(timeout_s: float = 3.0) -> bool:
-    """A quick TCP probe of the hub, so that no network costs seconds, not the client's retries."""
-    url = urlsplit(hub_endpoint())
-    port = url.port or (443 if url.scheme == "https" else 80)
     try:
-        with socket.create_connection((url.hostname, port), timeout=timeout_s):
-            return True
-    except OSError:
+        check_reachable()
+    except DownloadError:
         return False
+    return True
 
 
 def _download(entry: ModelEntry) -> Path:
-    from huggingface_hub import hf_hub_download
+    from mcformat.download import download
 
-    local_dir = models_dir() / entry.name
-    return Path(hf_hub_download(entry.repo_id, entry.filename, local_dir=local_dir, endpoint=hub_endpoint()))
+    return download(entry.repo_id, entry.filename, models_dir())
 
 
 def resolve(spec: str, gpu: bool, offline: bool = False) -> ResolvedModel:
@@ -142,16 +134,20 @@ def resolve(spec: str, gpu: bool, offline: bool = False) -> ResolvedModel:
         return ResolvedModel(entry.name, bundled_gemma())
     if entry.source == "generated":
         return ResolvedModel(entry.name, tiny_qwen35())
-    local = models_dir() / entry.name / entry.filename
+    local = models_dir() / entry.repo_id.replace("/", "--") / entry.filename  # where the downloader puts it
     if local.is_file():
         return ResolvedModel(entry.name, local)
     why = "offline mode" if offline or os.environ.get("HF_HUB_OFFLINE") == "1" else None
     if why is None and not hub_reachable():
-        why = f"{hub_endpoint()} is unreachable"
+        from mcformat.download import endpoint
+
+        why = f"{endpoint()} is unreachable"
     if why is None:
+        from mcformat.download import DownloadError
+
         try:
             return ResolvedModel(entry.name, _download(entry))
-        except Exception as exc:  # no network, no such repo, no disk: all mean "fall back"
-            why = f"cannot download from Hugging Face ({type(exc).__name__})"
+        except DownloadError as exc:  # no such repo (not published yet), no disk: fall back
+            why = f"it cannot be downloaded ({exc})"
     note = f"{entry.title} is not on this machine and {why}: serving the bundled Gemma 3 270M instead"
     return ResolvedModel(CPU_DEFAULT, bundled_gemma(), note)

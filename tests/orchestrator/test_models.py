@@ -52,3 +52,27 @@ def test_bundled_gemma_is_assembled_under_a_temp_name_then_renamed(monkeypatch, 
     path = models.bundled_gemma()
     assert path.parent == tmp_path and path.stat().st_size == 253_113_024
     assert not list(tmp_path.glob("*.partial"))
+
+
+def test_gpu_default_downloads_from_the_hub_when_published(monkeypatch, tmp_path):
+    from tests.mcformat.fake_hub import FakeHub
+
+    entry = models.REGISTRY["qwen3.8-27b-mc"]
+    with FakeHub({entry.repo_id: {entry.filename: b"GGUF" + bytes(1000)}}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("MC_MODELS_DIR", str(tmp_path))
+        resolved = models.resolve("auto", gpu=True)
+    assert resolved.name == "qwen3.8-27b-mc" and resolved.note == ""
+    assert resolved.path.read_bytes()[:4] == b"GGUF"
+    assert models.resolve("auto", gpu=True, offline=True).path == resolved.path  # found locally now
+
+
+def test_an_unpublished_repo_falls_back_saying_why(monkeypatch, tmp_path, gemma_path):
+    from tests.mcformat.fake_hub import FakeHub
+
+    with FakeHub({}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("MC_MODELS_DIR", str(tmp_path))
+        monkeypatch.setattr(models, "bundled_gemma", lambda: gemma_path)
+        resolved = models.resolve("auto", gpu=True)
+    assert resolved.name == "gemma3-270m" and "no repository" in resolved.note
