@@ -13,7 +13,6 @@ import sys
 from orchestrator import settings as settings_mod
 
 PLANNED = {
-    "compare": "compare GGUF quants side by side (issue #5: MC weights)",
     "launch": "open the Tkinter launcher (the launcher issue)",
 }
 
@@ -65,6 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
     dl = sub.add_parser("download", help="list or download MC weights from a Hugging Face repository")
     dl.add_argument("repo", nargs="?", default="megacapybara/Qwen3.8-27B-MC-GGUF", help="owner/name")
     dl.add_argument("file", nargs="?", help="the .gguf file to download (without it: list them)")
+    cmp_ = sub.add_parser("compare", help="compare GGUF files of one model side by side against the BF16 one")
+    cmp_.add_argument("files", nargs="+", help="the GGUF files to compare")
+    cmp_.add_argument("--reference", required=True, help="the BF16 GGUF of the same model")
+    cmp_.add_argument(
+        "--out", default="compare-out", help="folder for compare.csv, compare.json and the plots"
+    )
+    cmp_.add_argument("--ctx", type=int, default=512, help="evaluation chunk length in tokens")
+    cmp_.add_argument("--chunks", type=int, default=4, help="chunks of the corpus to evaluate")
+    cmp_.add_argument("--gpu-layers", type=int, default=0)
+    cmp_.add_argument("--no-speed", action="store_true", help="skip the decode tok/s measurement")
     for name, text in PLANNED.items():
         p = sub.add_parser(name, help=f"{text} [not available yet]")
         p.add_argument("rest", nargs=argparse.REMAINDER)
@@ -161,6 +170,24 @@ def cmd_build_weights(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from compare.compare import compare, table, write_outputs
+
+    _setup_logging("warning")
+    paths = [Path(p) for p in [*args.files, args.reference]]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        print(f"megacapybara compare: error: no such file: {', '.join(missing)}", file=sys.stderr)
+        return 1
+    entries = compare(paths[:-1], paths[-1], None, args.ctx, args.chunks, args.gpu_layers, not args.no_speed)
+    print(table(entries))
+    for path in write_outputs(entries, Path(args.out)):
+        print(f"wrote {path}")
+    return 0
+
+
 def cmd_download(args: argparse.Namespace) -> int:
     from mcformat import metadata
     from mcformat.download import DownloadError, download, list_weights
@@ -192,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_build_weights(args)
     if args.command == "download":
         return cmd_download(args)
+    if args.command == "compare":
+        return cmd_compare(args)
     try:
         settings = settings_mod.from_args(args)
     except settings_mod.SettingsError as exc:
