@@ -20,8 +20,8 @@ from tqdm import tqdm
 
 from mcformat import metadata as mc
 from mcformat.convert import ConvertError, convert_checkpoint
-from mcformat.evaluate import Corpus, evaluate, stdlib_corpus
-from mcformat.quantize import FTYPES, quantize
+from mcformat.evaluate import CALIBRATION_FILES, Corpus, calibration_text, evaluate, stdlib_corpus
+from mcformat.quantize import FTYPES, compute_imatrix, quantize, quantize_with_imatrix
 from mcformat.safetensors import SafetensorsError, read_header
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class BuildPlan:
     n_chunks: int = 4
     n_gpu_layers: int = 0
     name: str = field(default="")
+    imatrix: bool = False  # quantize with an importance matrix computed on calibration text
 
     def __post_init__(self) -> None:
         bad = [q for q in self.quants if q not in FTYPES]
@@ -119,17 +120,31 @@ def build(plan: BuildPlan, corpus: Corpus | None = None) -> dict:
         except (ConvertError, SafetensorsError) as exc:
             raise BuildError(f"converting {plan.source}: {exc}") from None
         manifest.record("convert", bf16)
+    imatrix = _imatrix(plan, manifest, bf16) if plan.imatrix else None
     variants = {}
     for q in tqdm(plan.quants, desc="quantize", disable=None):
         variants[q] = plan.out / f"{plan.model_name}-{q}.gguf"
         if not manifest.done(f"quantize:{q}", variants[q]):
-            quantize(bf16, variants[q], q)
-            manifest.record(f"quantize:{q}", variants[q])
+            if imatrix is not None:
+                quantize_with_imatrix(bf16, variants[q], q, imatrix)
+            else:
+                quantize(bf16, variants[q], q)
+            manifest.record(f"quantize:{q}", variants[q], imatrix=imatrix is not None)
     _evaluate_all(plan, manifest, corpus, bf16, variants)
     _attach(plan, manifest, corpus, variants)
     manifest.data["outputs"] = [p.name for p in variants.values()]
     manifest.save()
     return manifest.data
+
+
+def _imatrix(plan: BuildPlan, manifest: Manifest, bf16: Path) -> Path:
+    out = plan.out / f"{plan.model_name}.imatrix.gguf"
+    if not manifest.done("imatrix", out):
+        text = plan.out / "calibration.txt"
+        text.write_text(calibration_text())
+        compute_imatrix(bf16, text, out, n_ctx=plan.n_ctx)
+        manifest.record("imatrix", out, calibration="python stdlib: " + ", ".join(CALIBRATION_FILES))
+    return out
 
 
 def _settings(plan: BuildPlan, quants) -> list[mc.Setting]:

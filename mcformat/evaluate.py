@@ -54,6 +54,16 @@ def stdlib_corpus(max_chars: int = 400_000) -> Corpus:
     return Corpus(f"py{sys.version_info.major}{sys.version_info.minor}-stdlib-{digest}", text)
 
 
+CALIBRATION_FILES = ("functools.py", "enum.py", "typing.py", "collections/__init__.py", "dataclasses.py")
+
+
+def calibration_text(max_chars: int = 300_000) -> str:
+    """Text for importance matrices: other standard-library modules than the evaluation corpus,
+    so that quantization is not tuned on the text it is then measured on."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return "\n\n".join((root / name).read_text(encoding="utf-8") for name in CALIBRATION_FILES)[:max_chars]
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """[n, n_vocab] float32 -> float64 log-probabilities."""
     x = logits.astype(np.float64)

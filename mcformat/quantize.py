@@ -1,9 +1,15 @@
-"""Quantized variants of a GGUF with llama.cpp's own quantizer (llama_model_quantize)."""
+"""Quantized variants of a GGUF with llama.cpp's own quantizer: llama_model_quantize through the
+bindings, or, with an importance matrix, llama.cpp's `llama-imatrix` and `llama-quantize` programs
+built from the pinned source (the C API cannot take an importance matrix from Python)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # llama_ftype values of llama.h for the quant types the builder offers
 FTYPES = {"Q8_0": 7, "Q6_K": 18, "Q5_K_M": 17, "Q4_K_M": 15, "Q4_0": 2, "Q3_K_M": 12, "Q2_K": 10}
@@ -28,5 +34,69 @@ def quantize(src: Path, out: Path, qtype: str, threads: int | None = None) -> Pa
     if rc != 0:
         tmp.unlink(missing_ok=True)
         raise QuantizeError(f"llama_model_quantize failed ({rc}) for {src} -> {qtype}")
+    tmp.replace(out)
+    return out
+
+
+def llama_tools() -> Path:
+    """Folder of llama-imatrix and llama-quantize, built once from the pinned source (stock)."""
+    cmd = [
+        sys.executable,
+        str(ROOT / "ggml-patches" / "build.py"),
+        "--tools",
+        "llama-imatrix,llama-quantize",
+        "--stock",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise QuantizeError(f"building llama-imatrix/llama-quantize failed: {proc.stderr.strip()[-400:]}")
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def compute_imatrix(model: Path, text: Path, out: Path, n_ctx: int = 512, chunks: int = 16) -> Path:
+    """An importance matrix of `model` over the calibration `text` (llama-imatrix), as `out`."""
+    tmp = out.with_name(f".{out.name}.partial.gguf")
+    cmd = [
+        str(llama_tools() / "llama-imatrix"),
+        "-m",
+        str(model),
+        "-f",
+        str(text),
+        "-o",
+        str(tmp),
+        "-c",
+        str(n_ctx),
+        "--chunks",
+        str(chunks),
+        "-t",
+        str(os.cpu_count() or 2),
+        "--no-ppl",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        raise QuantizeError(f"llama-imatrix failed: {proc.stderr.strip()[-400:]}")
+    tmp.replace(out)
+    return out
+
+
+def quantize_with_imatrix(src: Path, out: Path, qtype: str, imatrix: Path) -> Path:
+    """`src` quantized to `qtype` guided by `imatrix` (llama-quantize), as `out`."""
+    if qtype not in FTYPES:
+        raise QuantizeError(f"quant type: must be one of {', '.join(FTYPES)} (got {qtype!r})")
+    tmp = out.with_name(f".{out.name}.partial")
+    cmd = [
+        str(llama_tools() / "llama-quantize"),
+        "--imatrix",
+        str(imatrix),
+        str(src),
+        str(tmp),
+        qtype,
+        str(os.cpu_count() or 2),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise QuantizeError(f"llama-quantize {qtype} failed: {proc.stderr.strip()[-400:]}")
     tmp.replace(out)
     return out

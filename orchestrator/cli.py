@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     bw.add_argument("--chunks", type=int, default=4, help="chunks of the corpus to evaluate")
     bw.add_argument("--name", default="", help="model name in the files (default: the source folder's)")
     bw.add_argument("--gpu-layers", type=int, default=0)
+    bw.add_argument(
+        "--imatrix", action="store_true", help="quantize with an importance matrix (llama-imatrix)"
+    )
     dl = sub.add_parser("download", help="list or download MC weights from a Hugging Face repository")
     dl.add_argument("repo", nargs="?", default="megacapybara/Qwen3.8-27B-MC-GGUF", help="owner/name")
     dl.add_argument("file", nargs="?", help="the .gguf file to download (without it: list them)")
@@ -148,6 +151,7 @@ def cmd_build_weights(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from mcformat.builder import BuildError, BuildPlan, build
+    from mcformat.quantize import QuantizeError
 
     _setup_logging("warning")
     try:
@@ -161,9 +165,10 @@ def cmd_build_weights(args: argparse.Namespace) -> int:
             n_chunks=args.chunks,
             n_gpu_layers=args.gpu_layers,
             name=args.name,
+            imatrix=args.imatrix,
         )
         data = build(plan)
-    except (BuildError, ValueError) as exc:
+    except (BuildError, QuantizeError, ValueError) as exc:
         print(f"megacapybara build-weights: error: {exc}", file=sys.stderr)
         return 1
     print(f"built {', '.join(data['outputs'])} in {args.out} (manifest.json)")

@@ -104,3 +104,19 @@ def test_cli_reports_a_bad_quant_type_in_one_line(source, tmp_path):
     )
     assert proc.returncode == 1
     assert proc.stderr.strip().count("\n") == 0 and "quants: ['Q9'] not among Q8_0" in proc.stderr
+
+
+def test_importance_matrix_option(source, built, tmp_path):
+    from orchestrator.llama import Model
+
+    data = builder.build(
+        _plan(source, tmp_path, quants=("Q2_K",), kv_types=("f16",), imatrix=True), stdlib_corpus()
+    )
+    assert data["steps"]["quantize:Q2_K"]["imatrix"] is True
+    assert (tmp_path / "tiny.imatrix.gguf").is_file()
+    with_imatrix = (tmp_path / "tiny-Q2_K.gguf").read_bytes()
+    plain = (built[0] / "tiny-Q2_K.gguf").read_bytes()
+    assert len(with_imatrix) == pytest.approx(len(plain), rel=0.01) and with_imatrix != plain
+    assert mc.read(tmp_path / "tiny-Q2_K.gguf").results  # measured like any variant
+    with Model(tmp_path / "tiny-Q2_K.gguf") as model:
+        assert model.n_vocab == 8192
