@@ -92,6 +92,20 @@ def config_from_settings(settings) -> EngineConfig:
     )
 
 
+def _want_pinned(n_gpu_layers: int) -> bool:
+    """Page-locked swap buffers when the model runs on a CUDA GPU and torch can pin memory."""
+    from orchestrator.backend import build_info
+
+    if n_gpu_layers == 0 or build_info().backend != "cuda":
+        return False
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
+
+
 @dataclass
 class EngineStats:
     """Running counters (engine thread writes; readers take a copy)."""
@@ -118,7 +132,7 @@ class LlamaEngine(Engine):
         self.ctx = Context(self.model, config.context)
         self.batch = Batch(config.context.n_batch)
         self._chat = ChatTemplate(self.model)
-        self.swap = SwapPool(config.swap_ram_bytes, config.swap_dir)
+        self.swap = SwapPool(config.swap_ram_bytes, config.swap_dir, pinned=_want_pinned(n_gpu_layers))
         self._events = ev.EventBus()
         self.stats = EngineStats()
         slots = config.context.n_seq_max

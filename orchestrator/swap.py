@@ -3,7 +3,9 @@
 The engine saves a sequence with `llama_state_seq_get_data` straight into a buffer the pool
 lends (`acquire`), hands it back with `put`, and later gets it again with `take` to restore.
 Buffers are reused through a free list: writing into fresh pages costs several times the copy
-itself (DEVICE.md measured 7x for a 2.3 GB state). Byte counts are kept as running totals.
+itself (DEVICE.md measured 7x for a 2.3 GB state). With a GPU the buffers are page-locked
+(`pinned`, allocated through torch's CUDA host allocator): device<->host copies then run at PCIe
+speed (~55 GB/s measured) instead of 6-14 GB/s. Byte counts are kept as running totals.
 """
 
 from __future__ import annotations
@@ -41,8 +43,14 @@ class SwapPool:
     """
 
     def __init__(
-        self, ram_limit_bytes: int, spill_dir: Path | None = None, min_free_ram_bytes: int = 512 << 20
+        self,
+        ram_limit_bytes: int,
+        spill_dir: Path | None = None,
+        min_free_ram_bytes: int = 512 << 20,
+        pinned: bool = False,
     ):
+        self.pinned = pinned  # page-locked buffers (through torch's CUDA allocator): ~55 vs 6-14 GB/s
+        self._owners: dict[int, object] = {}  # buffer address -> the torch tensor owning a pinned buffer
         self.ram_limit = ram_limit_bytes
         self.min_free_ram = min_free_ram_bytes
         self.spill_dir = spill_dir
@@ -74,13 +82,22 @@ class SwapPool:
             return buf
         # headroom: a task's next state is a little larger (it has decoded since), and should fit
         capacity = -(-(nbytes + nbytes // 16) // _MIB) * _MIB
-        return np.empty(capacity, dtype=np.uint8)
+        if not self.pinned:
+            return np.empty(capacity, dtype=np.uint8)
+        import torch
+
+        owner = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
+        buf = owner.numpy()
+        self._owners[buf.ctypes.data] = owner
+        return buf
 
     def release(self, buf: np.ndarray) -> None:
         """Give a buffer back for reuse; the free list keeps at most a quarter of the RAM limit."""
         if self.free_bytes + buf.nbytes <= self.ram_limit // 4:
             self._free.append(buf)
             self.free_bytes += buf.nbytes
+        else:
+            self._owners.pop(buf.ctypes.data, None)  # a pinned buffer is unpinned and freed
 
     def put(self, key: int, buf: np.ndarray, nbytes: int) -> str:
         """Store `buf[:nbytes]` as the state of `key`; returns "ram" or "disk". Raises SwapFull."""
@@ -125,6 +142,7 @@ class SwapPool:
         for key in list(self._entries):
             self.drop(key)
         self._free.clear()
+        self._owners.clear()
         self.free_bytes = 0
 
     def _ram_ok(self, nbytes: int) -> bool:

@@ -8,6 +8,9 @@
 # --pack-sdist), whl/ with the diskcache and gguf wheels, gen_qwen35_gguf.py. Needs nvcc, cmake,
 # ninja and scikit-build-core in python3's environment.
 #
+# MC_ONLY_ENGINE=1 skips the smoke test and the single-stream benches; MC_ENGINE_ARGS passes
+# arguments to bench/gpu/engine_gpu.py (which writes its JSON straight into $OUT).
+#
 # Idempotent: state lives in $MC_STATE (default /tmp/mcf) and marker files there, so a call that
 # runs out of its deadline is resumed by the next call with the same command. The CUDA build
 # and the 27B model generation run in the background (setsid) and outlive a call. Every call
@@ -27,7 +30,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PIP_NO_INDEX=
 log() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$S/steps.log"; }
 left() { echo $((DEADLINE - SECONDS)); }
 ship() {
-  for f in steps.log env.txt build.log run.log smoke.json bench-27b.json bench-27b-kvq8.json engine-gpu.json; do
+  for f in steps.log env.txt build.log run.log smoke.json bench-27b.json bench-27b-kvq8.json; do
     [ -f "$S/$f" ] && cp -f "$S/$f" "$OUT/$f"
   done
   return 0
@@ -109,7 +112,7 @@ fi
 python3 -c 'from orchestrator.backend import build_info; print("build_info:", build_info())' 2>&1 | tee -a "$S/steps.log"
 
 # (c) smoke test: tiny qwen35, CPU vs GPU
-if [ ! -f "$S/smoke.ok" ] && [ "$(left)" -gt 90 ]; then
+if [ ! -f "$S/smoke.ok" ] && [ -z "${MC_ONLY_ENGINE:-}" ] && [ "$(left)" -gt 90 ]; then
   log "smoke: python3 bench/gpu/smoke_tiny.py --tiny-dir /tmp/tiny --json smoke.json"
   echo "=== smoke" >> "$S/run.log"
   timeout $(( $(left) - 10 )) python3 bench/gpu/smoke_tiny.py --tiny-dir /tmp/tiny --json "$S/smoke.json" \
@@ -142,14 +145,16 @@ bench() {  # name, then extra flags
   log "$name exit $rc in $((SECONDS - t0)) s: $(tail -1 "$S/run.log")"
   [ $rc -eq 0 ] && touch "$S/$name.done"
 }
-bench bench-27b
-bench bench-27b-kvq8 --cache-type-k q8_0 --cache-type-v q8_0
+if [ -z "${MC_ONLY_ENGINE:-}" ]; then
+  bench bench-27b
+  bench bench-27b-kvq8 --cache-type-k q8_0 --cache-type-v q8_0
+fi
 
 # per-token decode times through the same Python wrappers: how much is warm-up (graph capture).
 # llama_decode returns before the GPU has finished (llama.cpp synchronizes lazily, when logits are
 # read), so every timed step ends with llama_synchronize, as llama-bench does. (The 2026-11-29 run
 # of this step timed without it: its decode medians are valid, its prefill figures are not.)
-if [ ! -f "$S/profile.done" ] && [ "$(left)" -gt 90 ]; then
+if [ ! -f "$S/profile.done" ] && [ -z "${MC_ONLY_ENGINE:-}" ] && [ "$(left)" -gt 90 ]; then
   log "decode profile (per-token times, f16 KV)"
   echo "=== decode profile" >> "$S/run.log"
   timeout $(( $(left) - 10 )) python3 - "$MODEL" >> "$S/run.log" 2>&1 <<'EOF' && touch "$S/profile.done"
@@ -184,7 +189,7 @@ fi
 if [ ! -f "$S/engine.done" ] && [ "$(left)" -gt 60 ]; then
   log "engine: python3 bench/gpu/engine_gpu.py $MODEL --json $S/engine-gpu.json"
   echo "=== engine" >> "$S/run.log"
-  timeout $(( $(left) - 10 )) python3 bench/gpu/engine_gpu.py "$MODEL" --json "$S/engine-gpu.json" ${MC_ENGINE_ARGS:-} 2>&1 \
+  timeout $(( $(left) - 10 )) python3 bench/gpu/engine_gpu.py "$MODEL" --json "$OUT/engine-gpu.json" ${MC_ENGINE_ARGS:-} 2>&1 \
     | grep -av INFO | tee -a "$S/run.log"
   [ "${PIPESTATUS[0]}" = 0 ] && touch "$S/engine.done"
 fi

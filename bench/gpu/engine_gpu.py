@@ -36,6 +36,8 @@ def main() -> None:
         res[f"agg_tok_s_{n}"] = engine_aggregate(args.model, n, 128, 128, n_gpu_layers=999)
         print(f"engine, {n:>2} tasks: {res[f'agg_tok_s_{n}']:.1f} tok/s", flush=True)
         Path(args.json).write_text(json.dumps(res, indent=2))
+    res["swap_pinned"] = _pinned_probe()
+    print(f"swap pool pinned: {res['swap_pinned']}", flush=True)
     for kv in ("f16", "q8_0"):
         for depth in [int(d) for d in args.depths.split(",") if d]:
             fig = swap_figures(args.model, depth, repeats=5, n_gpu_layers=999, kv=kv)
@@ -46,6 +48,13 @@ def main() -> None:
                 flush=True,
             )
             Path(args.json).write_text(json.dumps(res, indent=2))
+
+
+def _pinned_probe() -> bool:
+    """Whether the engine's SwapPool gets page-locked buffers here."""
+    from orchestrator.llama_engine import _want_pinned
+
+    return _want_pinned(999)
 
 
 if __name__ == "__main__":

@@ -78,3 +78,21 @@ def test_a_key_cannot_be_stored_twice():
     pool.put(1, _state(pool, 10, 1), 10)
     with pytest.raises(KeyError, match="already has"):
         pool.put(1, _state(pool, 10, 1), 10)
+
+
+def test_pinned_buffers_round_trip_where_torch_can_pin(monkeypatch):
+    # On this CPU machine torch cannot pin: the engine asks for pinned buffers only on CUDA builds;
+    # the pool's pinned path is exercised with torch's CPU allocator standing in for pin_memory.
+    import torch
+
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda n, dtype, pin_memory=False: real_empty(n, dtype=dtype))
+    pool = SwapPool(ram_limit_bytes=64 << 20, pinned=True)
+    buf = _state(pool, 3_000_000, 5)
+    pool.put(1, buf, 3_000_000)
+    got, n = pool.take(1)
+    assert (got[:n] == 5).all() and len(pool._owners) == 1
+    pool.release(got)
+    assert pool.acquire(3_000_000) is got  # reused, still owned by its tensor
+    pool.close()
+    assert pool._owners == {}
