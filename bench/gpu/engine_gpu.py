@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--depths", default="8192,32768")
     args = ap.parse_args()
     res: dict = {"git_commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "model": str(args.model)}
-    for n in map(int, args.tasks.split(",")):
+    for n in [int(t) for t in args.tasks.split(",") if t]:
         res[f"agg_tok_s_{n}"] = engine_aggregate(args.model, n, 128, 128, n_gpu_layers=999)
         print(f"engine, {n:>2} tasks: {res[f'agg_tok_s_{n}']:.1f} tok/s", flush=True)
         Path(args.json).write_text(json.dumps(res, indent=2))
