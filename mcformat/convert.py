@@ -189,7 +189,7 @@ def convert_checkpoint(folder: Path, out: Path, out_type: str = "bf16", name: st
         w.add_tensor(gguf_name, _encode(data, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_tensors_to_file(progress=True)
     w.close()
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from mcformat.metadata import Figures
 
@@ -159,7 +160,9 @@ def evaluate(
         tokens = ref.model.tokenize(corpus.text, add_special=True, parse_special=False)
         bos = ref.model.bos_if_added()
         acc, first = _Acc([]), n_ctx // 2
-        for c in range(min(n_chunks, len(tokens) // n_ctx)):
+        for c in tqdm(
+            range(min(n_chunks, len(tokens) // n_ctx)), desc=f"evaluate {candidate.name}", disable=None
+        ):
             chunk = tokens[c * n_ctx : (c + 1) * n_ctx]
             if bos is not None:  # like llama-perplexity: every chunk starts with BOS
                 chunk[0] = bos

@@ -120,3 +120,19 @@ def test_importance_matrix_option(source, built, tmp_path):
     assert mc.read(tmp_path / "tiny-Q2_K.gguf").results  # measured like any variant
     with Model(tmp_path / "tiny-Q2_K.gguf") as model:
         assert model.n_vocab == 8192
+    # stock llama.cpp (llama-quantize from the unpatched pinned source) loads MC weights
+    from mcformat.quantize import llama_tools
+
+    proc = subprocess.run(
+        [
+            str(llama_tools() / "llama-quantize"),
+            "--allow-requantize",
+            str(built[0] / "tiny-Q8_0.gguf"),
+            str(tmp_path / "requant.gguf"),
+            "Q4_0",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-500:]
+    assert "mc.results.kl_mean" in proc.stderr + proc.stdout  # it read the mc.* keys as it loaded
