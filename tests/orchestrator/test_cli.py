@@ -76,6 +76,6 @@ def test_port_in_use(free_port):
 
 
 def test_planned_subcommands_say_so():
-    proc = _run("compare", "a.gguf")
+    proc = _run("launch")
     assert proc.returncode == 2
     assert "not available yet" in _one_line(proc)
