@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from orchestrator.backend import llama_tools  # noqa: E402
 from orchestrator.events import Swapped  # noqa: E402
 from orchestrator.llama import ContextParams  # noqa: E402
 from orchestrator.llama_engine import EngineConfig, LlamaEngine  # noqa: E402
@@ -190,7 +191,7 @@ def main() -> None:
     from mcformat.tiny import ensure_tiny_qwen35
 
     tiny = ensure_tiny_qwen35(Path(tempfile.mkdtemp()) / "tiny")
-    bin_dir = Path(args.tools_bin) if args.tools_bin else _build_stock_tools()
+    bin_dir = Path(args.tools_bin) if args.tools_bin else llama_tools(["llama-batched-bench"])
     res: dict = {
         "git_commit": git_commit(),
         "machine": f"{cpu_name()}, {THREADS} threads",
@@ -222,24 +223,6 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     print_table(res)
-
-
-def _build_stock_tools() -> Path:
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "ggml-patches" / "build.py"),
-            "--tools",
-            "llama-batched-bench",
-            "--stock",
-            "--backend",
-            "cpu",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return Path(out.stdout.strip().splitlines()[-1])
 
 
 def print_table(res: dict) -> None:

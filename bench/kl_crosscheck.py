@@ -26,6 +26,7 @@ from bench.engine_cpu import cpu_name, git_commit  # noqa: E402
 from mcformat.evaluate import evaluate, stdlib_corpus  # noqa: E402
 from mcformat.quantize import quantize  # noqa: E402
 from mcformat.tiny import ensure_tiny_qwen35  # noqa: E402
+from orchestrator.backend import llama_tools  # noqa: E402
 
 VARIANTS = ("Q8_0", "Q4_K_M", "Q2_K")
 # llama-perplexity stores the base log-probabilities as uint16 (quantized), so its figures can
@@ -34,21 +35,7 @@ TOLERANCE = {"kld_mean_rel": 0.02, "kld_mean_abs": 1e-5, "same_top_p_abs": 0.005
 
 
 def perplexity_tool() -> Path:
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "ggml-patches" / "build.py"),
-            "--tools",
-            "llama-perplexity",
-            "--stock",
-            "--backend",
-            "cpu",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return Path(out.stdout.strip().splitlines()[-1]) / "llama-perplexity"
+    return llama_tools(["llama-perplexity"]) / "llama-perplexity"
 
 
 def llama_perplexity(

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # llama_ftype values of llama.h for the quant types the builder offers
 FTYPES = {"Q8_0": 7, "Q6_K": 18, "Q5_K_M": 17, "Q4_K_M": 15, "Q4_0": 2, "Q3_K_M": 12, "Q2_K": 10}
@@ -39,18 +36,14 @@ def quantize(src: Path, out: Path, qtype: str, threads: int | None = None) -> Pa
 
 
 def llama_tools() -> Path:
-    """Folder of llama-imatrix and llama-quantize, built once from the pinned source (stock)."""
-    cmd = [
-        sys.executable,
-        str(ROOT / "ggml-patches" / "build.py"),
-        "--tools",
-        "llama-imatrix,llama-quantize",
-        "--stock",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise QuantizeError(f"building llama-imatrix/llama-quantize failed: {proc.stderr.strip()[-400:]}")
-    return Path(proc.stdout.strip().splitlines()[-1])
+    """Folder of llama-imatrix and llama-quantize (stock, pinned source)."""
+    from orchestrator.backend import BackendError
+    from orchestrator.backend import llama_tools as build_tools
+
+    try:
+        return build_tools(["llama-imatrix", "llama-quantize"])
+    except BackendError as exc:
+        raise QuantizeError(str(exc)) from None
 
 
 def compute_imatrix(model: Path, text: Path, out: Path, n_ctx: int = 512, chunks: int = 16) -> Path:

@@ -121,3 +121,16 @@ def _silence_native_logs(llama_cpp) -> None:
 
     _LOG_CB = llama_cpp.llama_log_callback(_cb)
     llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
+
+
+def llama_tools(targets: list[str], stock: bool = True) -> Path:
+    """The bin folder of llama.cpp's own programs (llama-perplexity, llama-imatrix, ...), built
+    once from the pinned source by `ggml-patches/build.py --tools` (stock unless asked).
+    Raises BackendError with the build's last words when it fails."""
+    import subprocess
+
+    cmd = [sys.executable, str(BUILD_SCRIPT), "--tools", ",".join(targets), *(["--stock"] if stock else [])]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BackendError(f"building {', '.join(targets)} failed: {proc.stderr.strip()[-400:]}")
+    return Path(proc.stdout.strip().splitlines()[-1])
