@@ -83,6 +83,10 @@ class Engine(abc.ABC):
         """Tokens of `text` with the model's special-token handling."""
 
     @abc.abstractmethod
+    def token_text(self, token: int) -> str:
+        """The text of one token (special tokens included), for logprobs."""
+
+    @abc.abstractmethod
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
         """The prompt text for chat `messages` with the model's chat template."""
 

@@ -193,6 +193,9 @@ class LlamaEngine(Engine):
     def tokenize(self, text: str) -> list[int]:
         return self.model.tokenize(text)
 
+    def token_text(self, token: int) -> str:
+        return self.model.token_bytes(token, special=True).decode("utf-8", errors="replace")
+
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
         return self._chat.render(messages)
 

@@ -50,6 +50,14 @@ def sampling_from(body: dict, defaults: SamplingParams) -> SamplingParams:
     values = {k: v for k, kind in _NUMBER_FIELDS.items() if (v := _typed(body, k, kind)) is not None}
     if (v := _typed(body, "max_completion_tokens", int)) is not None:
         values["max_tokens"] = v
+    wants = body.get("logprobs")
+    if wants not in (None, True, False):
+        raise InvalidRequest("logprobs", f"must be true or false (got {wants!r})")
+    top = _typed(body, "top_logprobs", int)
+    if top is not None and wants is not True:
+        raise InvalidRequest("top_logprobs", "needs logprobs: true")
+    if wants is True:
+        values["logprobs"] = top or 0
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):
@@ -112,11 +120,23 @@ def completion_request(body: dict, engine: Engine, defaults: SamplingParams) -> 
     return GenerationRequest(tuple(engine.tokenize(prompt)), sampling_from(body, defaults))
 
 
+def logprob_entry(engine: Engine, logprob: dict) -> dict:
+    """OpenAI chat `logprobs.content` item from an engine TokenEvent.logprob."""
+
+    def item(token: int, lp: float) -> dict:
+        text = engine.token_text(token)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    entry = item(logprob["token"], logprob["logprob"])
+    entry["top_logprobs"] = [item(t, lp) for t, lp in logprob["top"]]
+    return entry
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def chat_response(rid: str, model: str, text: str, finish: FinishEvent) -> dict:
+def chat_response(rid: str, model: str, text: str, finish: FinishEvent, logprobs: list | None = None) -> dict:
     return {
         "id": rid,
         "object": "chat.completion",
@@ -126,6 +146,7 @@ def chat_response(rid: str, model: str, text: str, finish: FinishEvent) -> dict:
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
+                "logprobs": {"content": logprobs} if logprobs is not None else None,
                 "finish_reason": FINISH_REASONS[finish.reason],
             }
         ],

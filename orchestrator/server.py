@@ -82,9 +82,17 @@ def create_app(engine: Engine, api_key: str = "", defaults: SamplingParams | Non
         reader = engine.submit(gen)
         rid, model = api.new_id("chatcmpl"), engine.info.id
         if body.get("stream"):
-            return _sse(_chat_stream(reader, rid, model, _include_usage(body)))
-        text, finish = reader.text()
-        return jsonify(api.chat_response(rid, model, text, finish))
+            return _sse(_chat_stream(reader, rid, model, _include_usage(body), engine))
+        events = list(reader)
+        text = "".join(e.text for e in events if isinstance(e, TokenEvent))
+        lps = [
+            api.logprob_entry(engine, e.logprob) for e in events if isinstance(e, TokenEvent) and e.logprob
+        ]
+        return jsonify(
+            api.chat_response(
+                rid, model, text, reader.finish, lps if gen.sampling.logprobs is not None else None
+            )
+        )
 
     @app.post("/v1/completions")
     def completions():
@@ -142,12 +150,17 @@ def _stream_events(reader: TaskReader) -> Iterator[TokenEvent | FinishEvent]:
             reader.cancel()
 
 
-def _chat_stream(reader: TaskReader, rid: str, model: str, include_usage: bool) -> Iterator[dict]:
+def _chat_stream(
+    reader: TaskReader, rid: str, model: str, include_usage: bool, engine: Engine
+) -> Iterator[dict]:
     yield api.chat_chunk(rid, model, {"role": "assistant", "content": ""})
     for event in _stream_events(reader):
         if isinstance(event, TokenEvent):
-            if event.text:
-                yield api.chat_chunk(rid, model, {"content": event.text})
+            if event.text or event.logprob:
+                chunk = api.chat_chunk(rid, model, {"content": event.text})
+                if event.logprob:
+                    chunk["choices"][0]["logprobs"] = {"content": [api.logprob_entry(engine, event.logprob)]}
+                yield chunk
             continue
         yield api.chat_chunk(rid, model, {}, api.FINISH_REASONS[event.reason])
         if include_usage:

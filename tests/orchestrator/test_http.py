@@ -49,17 +49,22 @@ def test_openai_client_stop_sequences_max_tokens_and_cached_tokens_on_a_second_t
     first = [{"role": "user", "content": "List three fruits."}]
     r1 = client.chat.completions.create(model="gemma3-270m", messages=first, max_tokens=8, temperature=0)
     assert r1.choices[0].finish_reason == "length" and r1.usage.completion_tokens == 8
-    second = [*first, {"role": "assistant", "content": r1.choices[0].message.content},
-              {"role": "user", "content": "And three vegetables?"}]  # fmt: skip
+    second = [
+        *first,
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "And three vegetables?"},
+    ]
     r2 = client.chat.completions.create(model="gemma3-270m", messages=second, max_tokens=4, temperature=0)
     cached = r2.usage.prompt_tokens_details.cached_tokens
     assert cached >= r1.usage.prompt_tokens  # the first turn's prompt (and most of its answer) reused
     assert cached < r2.usage.prompt_tokens
-    full = client.completions.create(model="gemma3-270m", prompt="The capital of France is", max_tokens=12,
-                                     temperature=0)  # fmt: skip
+    full = client.completions.create(
+        model="gemma3-270m", prompt="The capital of France is", max_tokens=12, temperature=0
+    )
     word = full.choices[0].text.split()[2]
-    cut = client.completions.create(model="gemma3-270m", prompt="The capital of France is", max_tokens=12,
-                                    temperature=0, stop=[word])  # fmt: skip
+    cut = client.completions.create(
+        model="gemma3-270m", prompt="The capital of France is", max_tokens=12, temperature=0, stop=[word]
+    )
     assert cut.choices[0].finish_reason == "stop" and word not in cut.choices[0].text
 
 
@@ -118,8 +123,17 @@ def test_websocket_streams_a_generation_and_its_events_in_order(server):
     ws = simple_websocket.Client.connect(server.base.replace("http", "ws") + "/ws")
     try:
         assert json.loads(ws.receive(timeout=10))["type"] == "hello"
-        ws.send(json.dumps({"type": "generate", "id": "g1", "prompt": "Once upon a time", "max_tokens": 6,
-                            "temperature": 0}))  # fmt: skip
+        ws.send(
+            json.dumps(
+                {
+                    "type": "generate",
+                    "id": "g1",
+                    "prompt": "Once upon a time",
+                    "max_tokens": 6,
+                    "temperature": 0,
+                }
+            )
+        )
         task_id, states, tokens, finish = None, {}, [], None  # states by task id: events may come first
 
         def note(msg: dict) -> None:
@@ -201,3 +215,45 @@ def test_api_key_is_required_when_set(gemma_path):
         assert srv.get("/health")[0] == 200 and srv.get("/slots")[0] == 401
     finally:
         srv.stop()
+
+
+def test_chat_logprobs_with_the_openai_client(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url, api_key="unused")
+    msgs = [{"role": "user", "content": "The capital of France is"}]
+    r = client.chat.completions.create(
+        model="gemma3-270m", messages=msgs, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6
+    for item in content:
+        assert item.logprob <= 0.0 and len(item.top_logprobs) == 3
+        assert item.token == item.top_logprobs[0].token  # greedy takes the most likely token
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+    assert "".join(i.token for i in content) == r.choices[0].message.content
+    stream = client.chat.completions.create(
+        model="gemma3-270m",
+        messages=msgs,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+    )
+    streamed = [c.choices[0].logprobs.content[0] for c in stream if c.choices and c.choices[0].logprobs]
+    assert [i.token for i in streamed] == [i.token for i in content]
+    plain = client.chat.completions.create(model="gemma3-270m", messages=msgs, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "status", "param"),
+    [
+        ({"top_logprobs": 3}, 400, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 50}, 422, "top_logprobs"),
+        ({"logprobs": "yes"}, 400, "logprobs"),
+    ],
+)
+def test_bad_logprobs_fields(server, extra, status, param):
+    code, err, _ = post(server.url + "/chat/completions", _chat("Hi", max_tokens=2, **extra))
+    assert code == status and err["error"]["param"] == param
