@@ -190,8 +190,9 @@ def test_oversized_body_is_413(server):
 def test_full_queue_answers_503_with_retry_after(gemma_path):
     srv = ServerProcess("--ctx", "2048", "--slots", "1", "--max-queue", "1")
     try:
+        # read to its end: a client that hangs up frees its place at once
         busy = threading.Thread(
-            target=_stream, args=(srv.url + "/chat/completions", _chat("Go on.", max_tokens=60), 2)
+            target=_stream, args=(srv.url + "/chat/completions", _chat("Go on.", max_tokens=60))
         )
         busy.start()
         deadline = time.time() + 30
