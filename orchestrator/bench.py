@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import time
@@ -57,14 +58,10 @@ def measure(model: Model, params: ContextParams, n_prompt: int, n_gen: int) -> d
 
 def run_bench(settings, resolved, n_prompt: int, n_gen: int, json_out: str | None) -> dict:
     check_backend()
-    params = ContextParams(
-        n_ctx=max(settings.ctx, n_prompt + n_gen + 32),
-        n_batch=settings.batch,
-        n_threads=settings.threads,
-        flash_attn=settings.flash_attn,
-        cache_type_k=settings.cache_type_k,
-        cache_type_v=settings.cache_type_v,
-    )
+    from orchestrator.llama_engine import context_from_settings
+
+    base = context_from_settings(settings)  # one sequence: single-stream speed
+    params = dataclasses.replace(base, n_ctx=max(settings.ctx, n_prompt + n_gen + 32), n_seq_max=1)
     with Model(resolved.path, settings.gpu_layers) as model:
         figures = measure(model, params, n_prompt, n_gen)
     info = build_info()

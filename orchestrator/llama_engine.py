@@ -53,15 +53,9 @@ class EngineConfig:
     max_queue: int = 256  # open tasks beyond which submit() refuses (HTTP 503)
 
 
-def config_from_settings(settings) -> EngineConfig:
-    """EngineConfig from the settings schema (orchestrator.settings.Settings)."""
-    import psutil
-
-    from orchestrator.models import cache_dir
-
-    swap_ram = settings.swap_ram_mb << 20 or psutil.virtual_memory().available // 2
-    swap_dir = None if settings.swap_dir == "none" else Path(settings.swap_dir or cache_dir() / "swap")
-    context = ContextParams(
+def context_from_settings(settings) -> ContextParams:
+    """The llama.cpp context the settings ask for (orchestrator.settings.Settings)."""
+    return ContextParams(
         n_ctx=settings.ctx,
         n_batch=settings.batch,
         n_seq_max=settings.slots,
@@ -71,6 +65,17 @@ def config_from_settings(settings) -> EngineConfig:
         cache_type_v=settings.cache_type_v,
         yarn_factor=settings.yarn_factor,
     )
+
+
+def config_from_settings(settings) -> EngineConfig:
+    """EngineConfig from the settings schema (orchestrator.settings.Settings)."""
+    import psutil
+
+    from orchestrator.models import cache_dir
+
+    swap_ram = settings.swap_ram_mb << 20 or psutil.virtual_memory().available // 2
+    swap_dir = None if settings.swap_dir == "none" else Path(settings.swap_dir or cache_dir() / "swap")
+    context = context_from_settings(settings)
     guard = LoopGuardConfig(
         settings.loop_guard,
         settings.loop_window,
