@@ -30,12 +30,19 @@ def main() -> None:
     ap.add_argument("--json", required=True)
     ap.add_argument("--tasks", default="1,4,12")
     ap.add_argument("--depths", default="8192,32768")
+    ap.add_argument("--breakdown", default="32768", help="depths at which to time the llama.cpp calls alone")
     args = ap.parse_args()
     res: dict = {"git_commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "model": str(args.model)}
     for n in [int(t) for t in args.tasks.split(",") if t]:
         res[f"agg_tok_s_{n}"] = engine_aggregate(args.model, n, 128, 128, n_gpu_layers=999)
         print(f"engine, {n:>2} tasks: {res[f'agg_tok_s_{n}']:.1f} tok/s", flush=True)
         Path(args.json).write_text(json.dumps(res, indent=2))
+    for kv in ("f16", "q8_0"):
+        for depth in [int(d) for d in args.breakdown.split(",") if d]:
+            fig = swap_breakdown(args.model, depth, kv)
+            res[f"swap_calls_{kv}_{depth}"] = fig
+            print(f"llama.cpp calls alone, {kv} {depth}: {fig}", flush=True)
+            Path(args.json).write_text(json.dumps(res, indent=2))
     res["swap_pinned"] = _pinned_probe()
     print(f"swap pool pinned: {res['swap_pinned']}", flush=True)
     for kv in ("f16", "q8_0"):
@@ -48,6 +55,56 @@ def main() -> None:
                 flush=True,
             )
             Path(args.json).write_text(json.dumps(res, indent=2))
+
+
+def swap_breakdown(model: Path, depth: int, kv: str, repeats: int = 5) -> dict:
+    """Median ms of each llama.cpp call of a pause/resume alone (no engine around them): the state
+    size pass, llama_state_seq_get_data into a reused page-locked buffer, clearing the sequence, and
+    llama_state_seq_set_data back into another sequence."""
+    import statistics
+
+    from orchestrator.backend import llama
+    from orchestrator.llama import Batch, Context, ContextParams, Model
+    from orchestrator.swap import SwapPool
+
+    params = ContextParams(
+        n_ctx=depth + 256, n_batch=512, n_seq_max=2, flash_attn="on", cache_type_k=kv, cache_type_v=kv
+    )
+    pool = SwapPool(64 << 30, pinned=_pinned_probe())
+    with Model(str(model), 999) as m, Context(m, params) as ctx, Batch(512) as batch:
+        toks = (m.tokenize("Capybaras are the largest rodents in the world. ") * (depth // 8 + 1))[:depth]
+        for p0 in range(0, depth, 512):
+            batch.clear()
+            for i, t in enumerate(toks[p0 : p0 + 512]):
+                batch.add(t, p0 + i, 0, False)
+            ctx.decode(batch)
+        llama().llama_synchronize(ctx.ptr)
+        size = ctx.state_size(0)
+        t = time.perf_counter()
+        buf = pool.acquire(size)
+        alloc_ms = 1000 * (time.perf_counter() - t)
+        rows: dict[str, list[float]] = {"size_ms": [], "get_ms": [], "rm_ms": [], "set_ms": []}
+        for r in range(repeats):
+            src, dst = r % 2, (r + 1) % 2
+            t0 = time.perf_counter()
+            n = ctx.state_size(src)
+            t1 = time.perf_counter()
+            got = ctx.state_save(src, buf)
+            t2 = time.perf_counter()
+            ctx.seq_rm(src)
+            t3 = time.perf_counter()
+            ok = ctx.state_load(dst, buf, got)
+            llama().llama_synchronize(ctx.ptr)
+            t4 = time.perf_counter()
+            assert got == n and ok, (got, n, ok)
+            for key, a, b in (("size_ms", t0, t1), ("get_ms", t1, t2), ("rm_ms", t2, t3), ("set_ms", t3, t4)):
+                rows[key].append(1000 * (b - a))
+    pool.close()
+    out = {k: round(statistics.median(v), 2) for k, v in rows.items()}
+    out.update(bytes=n, alloc_pinned_ms=round(alloc_ms, 1))
+    out["get_gb_s"] = round(n / out["get_ms"] / 1e6, 1)
+    out["set_gb_s"] = round(n / out["set_ms"] / 1e6, 1)
+    return out
 
 
 def _pinned_probe() -> bool:

@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""Collect what bench/gpu/side_by_side.sh measured into one results JSON, and print the table.
+
+    python3 bench/gpu/sbs_summary.py STATE_DIR --out RESULTS.json
+
+Reads STATE_DIR's step outputs (*.out: JSON lines of mc_gpu_bench and llama-batched-bench,
+test-backend-ops' text, ncu's raw CSV), bandwidth.out, engine.json, env.txt and
+model-bytes.txt. Missing steps stay missing (null) rather than guessed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import io
+import json
+import re
+import subprocess
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def json_lines(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        line = line.strip()
+        if line.startswith("{") and line.endswith("}"):
+            with contextlib.suppress(json.JSONDecodeError):
+                out.append(json.loads(line))
+    return out
+
+
+def build_figures(state: Path, build: str) -> dict:
+    f: dict = {}
+    for row in json_lines(state / f"{build}-tg.out"):
+        f[f"tg_depth_{row['depth']}_tok_s"] = row["tok_s"]
+    for seqs in (1, 12):
+        rows = json_lines(state / f"{build}-verify{seqs}.out")
+        if rows:
+            f[f"verify{seqs}_ms"] = {str(r["k"]): r["median_ms"] for r in rows}
+    batched = json_lines(state / f"{build}-batched.out") + json_lines(state / f"{build}-batched.err")
+    if batched:
+        f["agg_tok_s"] = {str(r["pl"]): round(r["speed_tg"], 2) for r in batched if "speed_tg" in r}
+    ops = {}
+    for path in sorted(state.glob(f"{build}-ops-*.out")):
+        text = path.read_text(errors="replace")
+        m = re.findall(r"(\d+)/(\d+) tests passed", text)
+        ops[path.stem.split("-ops-", 1)[1]] = (
+            {"passed": int(m[-1][0]), "total": int(m[-1][1])} if m else {"passed": None, "total": None}
+        )
+    if ops:
+        f["test_backend_ops"] = ops
+    prof = state / f"{build}-profile.out"
+    if prof.exists():
+        f["profile"] = profile_summary(prof.read_text(errors="replace"))
+    return f
+
+
+def profile_summary(text: str) -> dict:
+    """ncu --csv --page raw with gpu__time_duration.sum: kernels grouped by name (one decode step)."""
+    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
+    if not lines:
+        return {}
+    rows = list(csv.DictReader(io.StringIO("\n".join(lines))))
+    groups: dict[str, list[float]] = defaultdict(list)
+    scale = {"nsecond": 1.0, "ns": 1.0, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6}
+    unit_ns = 1.0
+    for r in rows:
+        name = r.get("Kernel Name") or r.get("Function Name") or "?"
+        raw = (r.get("gpu__time_duration.sum") or "").replace(",", "")
+        try:
+            t = float(raw)
+        except ValueError:
+            unit_ns = scale.get(raw.strip(), unit_ns)  # the units row
+            continue
+        groups[re.sub(r"<.*|\(.*", "", name).strip()[:70]].append(t)
+    total = sum(sum(v) for v in groups.values()) * unit_ns
+    top = sorted(groups.items(), key=lambda kv: -sum(kv[1]))
+    return {
+        "kernels": sum(len(v) for v in groups.values()),
+        "kernel_time_us": round(total / 1000, 1),
+        "by_kernel": [
+            {
+                "name": k,
+                "count": len(v),
+                "us": round(sum(v) * unit_ns / 1000, 1),
+                "share": round(sum(v) * unit_ns / total, 4),
+            }
+            for k, v in top[:25]
+        ],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("state", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    st = args.state
+    env = (st / "env.txt").read_text() if (st / "env.txt").exists() else ""
+    commit = re.search(r"^commit (\w+)", env, re.M)
+    bw = (json_lines(st / "bandwidth.out") or [{}])[0]
+    model_bytes = int((st / "model-bytes.txt").read_text()) if (st / "model-bytes.txt").exists() else None
+    res: dict = {
+        "gpu": bw.get("gpu"),
+        "commit": commit.group(1) if commit else None,
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "OUT=DIR bash bench/gpu/side_by_side.sh",
+        "env": env,
+        "model_bytes": model_bytes,
+        "copy_bw_tb_s": bw.get("copy_bw_tb_s"),
+        "pinned_h2d_gb_s": bw.get("pinned_h2d_gb_s"),
+        "pinned_d2h_gb_s": bw.get("pinned_d2h_gb_s"),
+    }
+    if model_bytes and bw.get("copy_bw_tb_s"):
+        res["ceiling_tok_s"] = round(bw["copy_bw_tb_s"] * 1e12 / model_bytes, 1)
+    times = st / "build-times.txt"
+    if times.exists():
+        res["build_times"] = dict(ln.split() for ln in times.read_text().splitlines() if ln.strip())
+    builds = {b: build_figures(st, b) for b in ("stock", "patched")}
+    res["builds"] = builds
+    for b, f in builds.items():
+        res[f"tg_tok_s_{b}"] = f.get("tg_depth_0_tok_s")
+        res[f"tg4k_tok_s_{b}"] = f.get("tg_depth_4096_tok_s")
+        res[f"tg32k_tok_s_{b}"] = f.get("tg_depth_32768_tok_s")
+        res[f"verify_ms_{b}"] = f.get("verify1_ms")
+        res[f"verify12_ms_{b}"] = f.get("verify12_ms")
+        res[f"agg_tok_s_12_{b}"] = (f.get("agg_tok_s") or {}).get("12")
+        if res.get("ceiling_tok_s") and res[f"tg_tok_s_{b}"]:
+            res[f"tg_fraction_of_ceiling_{b}"] = round(res[f"tg_tok_s_{b}"] / res["ceiling_tok_s"], 3)
+        v = res[f"verify_ms_{b}"] or {}
+        if "1" in v and "16" in v:
+            res[f"verify16_over_1_{b}"] = round(v["16"] / v["1"], 2)
+    ratios = {}
+    for key in ("tg_tok_s", "tg4k_tok_s", "tg32k_tok_s", "agg_tok_s_12"):
+        s, p = res.get(f"{key}_stock"), res.get(f"{key}_patched")
+        if s and p:
+            ratios[key] = round(p / s, 3)
+    res["patched_over_stock"] = ratios
+    eng = st / "engine.json"
+    if eng.exists():
+        e = json.loads(eng.read_text())
+        res["engine"] = e
+        for kv, suffix in (("f16", ""), ("q8_0", "_q8")):
+            for depth, name in ((32768, "32k"), (8192, "8k")):
+                fig = e.get(f"swap_{kv}_{depth}")
+                if fig:
+                    res[f"pause_ms_{name}{suffix}"] = round(fig["pause_ms"], 2)
+                    res[f"resume_ms_{name}{suffix}"] = round(fig["resume_ms"], 2)
+        res["engine_agg_tok_s_12"] = e.get("agg_tok_s_12")
+    sym = st / "stdcxx-symbols.txt"
+    if sym.exists():
+        res["libggml_cuda_std_symbols"] = int(sym.read_text().strip() or 0)
+    if not res["commit"]:
+        res["commit"] = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+    args.out.write_text(json.dumps(res, indent=2))
+    print_table(res)
+
+
+def print_table(res: dict) -> None:
+    print(
+        f"GPU {res.get('gpu')}  commit {str(res.get('commit'))[:10]}  model {res.get('model_bytes')} B  "
+        f"copy {res.get('copy_bw_tb_s')} TB/s  ceiling {res.get('ceiling_tok_s')} tok/s  "
+        f"pinned h2d {res.get('pinned_h2d_gb_s')} GB/s"
+    )
+    print(f"{'figure':<34}{'stock':>12}{'patched':>12}{'ratio':>8}")
+    rows = [
+        ("decode tok/s, depth 0", "tg_tok_s"),
+        ("decode tok/s, depth 4k", "tg4k_tok_s"),
+        ("decode tok/s, depth 32k", "tg32k_tok_s"),
+        ("aggregate tok/s, 12 seqs", "agg_tok_s_12"),
+        ("fraction of ceiling", "tg_fraction_of_ceiling"),
+        ("verify 16 / verify 1", "verify16_over_1"),
+    ]
+    for label, key in rows:
+        s, p = res.get(f"{key}_stock"), res.get(f"{key}_patched")
+        r = f"{p / s:.3f}" if s and p else ""
+        print(f"{label:<34}{s if s is not None else '-':>12}{p if p is not None else '-':>12}{r:>8}")
+    for b in ("stock", "patched"):
+        for k in ("verify_ms", "verify12_ms"):
+            if res.get(f"{k}_{b}"):
+                print(f"{k} {b}: {res[f'{k}_{b}']}")
+        prof = res["builds"].get(b, {}).get("profile")
+        if prof:
+            print(
+                f"profile {b}: {prof['kernels']} kernels, {prof['kernel_time_us']} us of kernel time per step"
+            )
+            for g in prof["by_kernel"][:12]:
+                print(f"   {g['us']:>9.1f} us {g['count']:>5}x  {g['share']:.3f}  {g['name']}")
+        ops = res["builds"].get(b, {}).get("test_backend_ops")
+        if ops:
+            print(f"test-backend-ops {b}: {ops}")
+    for k in (
+        "pause_ms_8k",
+        "resume_ms_8k",
+        "pause_ms_32k",
+        "resume_ms_32k",
+        "pause_ms_32k_q8",
+        "resume_ms_32k_q8",
+        "engine_agg_tok_s_12",
+        "libggml_cuda_std_symbols",
+    ):
+        if k in res:
+            print(f"{k}: {res[k]}")
+    e = res.get("engine") or {}
+    for k, v in e.items():
+        if k.startswith("swap_calls"):
+            print(f"{k}: {v}")
+
+
+if __name__ == "__main__":
+    main()

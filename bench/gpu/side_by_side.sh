@@ -1,0 +1,217 @@
+#!/usr/bin/env bash
+# Stock llama.cpp vs MegaCapybara's patched llama.cpp (same pinned version) on one NVIDIA GPU, in one
+# run: single-stream decode at depth 0 / 4k / 32k, verify cost (1 sequence and 12 sequences x k
+# tokens), aggregate decode at 1-16 sequences (llama-batched-bench), the patched kernels'
+# correctness (test-backend-ops, CUDA vs CPU), optionally an ncu kernel profile of one decode step,
+# then MegaCapybara's engine (12 tasks, pause/resume at 8k / 32k, f16 and q8_0 KV) and the copy
+# bandwidths. Writes bench/results-style JSON and prints the table.
+#
+# usage, from the repository root:   OUT=DIR bash bench/gpu/side_by_side.sh [deadline_seconds]
+#
+# Needs: nvcc, cmake, ninja, g++, python3 with torch (for the bandwidth figures and the engine's
+# page-locked pool), numpy and gguf; the llama-cpp-python sdist (`python ggml-patches/build.py
+# --pack-sdist .device/llama_cpp_python-0.3.36.tar.gz`; MC_SDIST overrides), and, for the engine,
+# the diskcache wheel in .device/whl/ where pip has no network. The 27B model: MC_BENCH_MODEL names
+# an existing qwen35 GGUF, else MC_GEN_SCRIPT (default .device/gen_qwen35_gguf.py, the team's
+# reference generator from shared/device) writes a random-weight one (Q4_0, output Q6_K) at the
+# Qwen3.8 27B shapes.
+#
+# One build tree: stock first (programs and shared libraries copied to $S/stock), then the patch
+# series on top and an incremental rebuild (copied to $S/patched), so the two differ only by the
+# patches. The build and the model generation run in the background (setsid) and outlive a call;
+# every step leaves a marker file, so running the same command again resumes (a call that ends
+# with exit 3 asks for that).
+#
+# Settings (environment): MC_STATE (default /tmp/mcs), MC_CUDA_ARCH (default: this GPU's),
+# MC_SBS_BUILDS (stock,patched), MC_SBS_PROFILE (builds to profile with ncu, e.g. stock),
+# MC_SBS_ENGINE (1: run the engine part), MC_SBS_OPS (ops checked by test-backend-ops).
+set -u
+DEADLINE=${1:-570}
+ROOT=$(pwd)
+S=${MC_STATE:-/tmp/mcs}
+: "${OUT:?set OUT to the folder for results}"
+SDIST=$(readlink -f "${MC_SDIST:-.device/llama_cpp_python-0.3.36.tar.gz}")
+MODEL=${MC_BENCH_MODEL:-$S/q27.gguf}
+BUILDS=${MC_SBS_BUILDS:-stock,patched}
+PROFILE=${MC_SBS_PROFILE:-}
+OPS=${MC_SBS_OPS:-MUL_MAT,GATED_DELTA_NET,SSM_CONV,RMS_NORM}
+mkdir -p "$S" "$OUT"
+export PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+BACKEND=${MC_SBS_BACKEND:-cuda}  # cpu: the same flow without a GPU (to check this script)
+if [ "$BACKEND" = cuda ]; then
+  ARCH=${MC_CUDA_ARCH:-$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)}
+  BACKEND_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$ARCH"
+else
+  ARCH=native BACKEND_ARGS="-DGGML_NATIVE=ON"
+fi
+TARGETS="llama ggml llama-bench llama-batched-bench test-backend-ops"
+
+log() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$S/steps.log"; }
+left() { echo $((DEADLINE - SECONDS)); }
+ship() {
+  cp -f "$S"/*.log "$S"/*.out "$S"/*.err "$S"/*.json "$S"/*.txt "$OUT"/ 2>/dev/null
+  python3 "$ROOT/bench/gpu/sbs_summary.py" "$S" --out "$OUT/summary.json" > "$OUT/summary.txt" 2>&1
+  tail -40 "$OUT/summary.txt"
+  return 0
+}
+trap ship EXIT
+log "=== call start in $ROOT (commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null)), deadline ${DEADLINE}s"
+
+if [ ! -f "$S/env.txt" ]; then
+  { date -u +%FT%TZ; echo "commit $(git -C "$ROOT" rev-parse HEAD 2>/dev/null)";
+    git -C "$ROOT" status --short 2>/dev/null | head -20;
+    nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total,clocks.max.sm --format=csv;
+    nvcc --version | tail -2; cmake --version | head -1; echo "ninja $(ninja --version)"; g++ --version | head -1;
+    python3 --version; echo "nproc $(nproc)"; free -g | head -2;
+  } > "$S/env.txt" 2>&1
+  echo "$ARCH" > "$S/arch.txt"
+fi
+
+# pure-Python wheels the machine lacks (no network there)
+if [ ! -f "$S/whl.done" ] && ls .device/whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps .device/whl/*.whl >> "$S/run.log" 2>&1 && touch "$S/whl.done"
+fi
+
+# ---- the build: stock, then the patch series on top (background) ----
+if [ ! -f "$S/build.started" ]; then
+  rm -rf "$S/src" "$S/stock" "$S/patched" && mkdir -p "$S/src" "$S/stock" "$S/patched"
+  tar xzf "$SDIST" -C "$S/src" || { log "cannot unpack $SDIST"; exit 1; }
+  SRCROOT=$(ls -d "$S"/src/*/ | head -1)
+  cp -r ggml-patches "$S/ggml-patches"
+  cp bench/gpu/mc_gpu_bench.cpp "$S/"
+  HASH=$(cd "$S/ggml-patches" && python3 -c 'import build; print(build.series_hash())')
+  cat > "$S/build.sh" <<EOF
+set -u
+L=${SRCROOT}vendor/llama.cpp
+t0=\$(date +%s)
+cmake -S \$L -B $S/build -G Ninja $BACKEND_ARGS -DCMAKE_BUILD_TYPE=Release \
+  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+  -DLLAMA_BUILD_APP=OFF -DBUILD_SHARED_LIBS=ON -DCMAKE_SKIP_BUILD_RPATH=ON \
+  -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL \
+  -DMC_PATCH_SERIES_HASH=$HASH -DMC_BUILD_BACKEND=$BACKEND -DMC_BUILD_ARCH=$ARCH -DMC_PACKAGE_VERSION=0.3.36 || exit 1
+stage() {  # copy the build's programs and libraries to \$1, and build the measuring program there
+  cp -f $S/build/bin/*.so* $S/build/bin/llama-bench $S/build/bin/llama-batched-bench $S/build/bin/test-backend-ops \$1/ &&
+  g++ -O2 -std=c++17 -I\$L/include -I\$L/ggml/include $S/mc_gpu_bench.cpp -L\$1 -lllama -lggml -lggml-base -ldl \
+    -Wl,-rpath,'\$\$ORIGIN' -o \$1/mc_gpu_bench
+}
+cmake --build $S/build -j \$(nproc) --target $TARGETS || exit 1
+stage $S/stock || exit 1
+t1=\$(date +%s)
+echo "stock_build_s \$((t1 - t0))" > $S/build-times.txt
+for p in \$(grep -v '^#' $S/ggml-patches/series); do
+  patch -p1 --forward --batch -d $SRCROOT < $S/ggml-patches/patches/\$p || { echo "patch \$p failed"; exit 1; }
+done
+cmake --build $S/build -j \$(nproc) --target $TARGETS || exit 1
+stage $S/patched || exit 1
+echo "patched_rebuild_s \$((\$(date +%s) - t1))" >> $S/build-times.txt
+EOF
+  touch "$S/build.started"
+  log "build started (arch $ARCH, series $HASH)"
+  setsid nohup bash -c "bash $S/build.sh > $S/build.log 2>&1; echo \$? > $S/build.rc" < /dev/null > /dev/null 2>&1 &
+fi
+
+# ---- the model (background, low priority) ----
+if [ ! -f "$MODEL" ] && [ ! -f "$S/gen.started" ]; then
+  mkdir -p "$S/vocab" && tar xzf "$SDIST" -C "$S/vocab" --wildcards '*/models/ggml-vocab-qwen35.gguf'
+  VOCAB=$(ls "$S"/vocab/*/vendor/llama.cpp/models/ggml-vocab-qwen35.gguf)
+  cp "${MC_GEN_SCRIPT:-.device/gen_qwen35_gguf.py}" "$S/gen_qwen35_gguf.py"
+  touch "$S/gen.started"
+  log "model generation started: $MODEL"
+  setsid nohup bash -c "nice -n 19 python3 $S/gen_qwen35_gguf.py $MODEL --preset 27b --vocab-gguf $VOCAB \
+    > $S/gen.log 2>&1; echo \$? > $S/gen.rc" < /dev/null > /dev/null 2>&1 &
+fi
+
+last=0
+while [ ! -f "$S/build.rc" ] && [ "$(left)" -gt 30 ]; do
+  sleep 5
+  if [ $((SECONDS - last)) -ge 60 ]; then
+    last=$SECONDS
+    log "building: $(grep -aoE '\[[0-9]+/[0-9]+\]' "$S/build.log" 2>/dev/null | tail -1)"
+  fi
+done
+[ -f "$S/build.rc" ] || { log "build still running; call again with the same command"; exit 3; }
+if [ "$(cat "$S/build.rc")" != 0 ]; then
+  log "BUILD FAILED"; grep -a -iE "error|failed" "$S/build.log" | head -30; tail -30 "$S/build.log"; exit 1
+fi
+[ -f "$S/build.logged" ] || { log "build done: $(tr '\n' ' ' < "$S/build-times.txt")"; touch "$S/build.logged"; }
+while [ ! -f "$MODEL" ] && [ ! -f "$S/gen.rc" ] && [ "$(left)" -gt 60 ]; do sleep 2; done
+if [ -f "$S/gen.rc" ] && [ "$(cat "$S/gen.rc")" != 0 ]; then log "MODEL GENERATION FAILED"; tail "$S/gen.log"; exit 1; fi
+[ -f "$S/gen.rc" ] || [ -f "$MODEL" ] || { log "model still being written; call again"; exit 3; }
+stat -c '%s' "$MODEL" > "$S/model-bytes.txt"
+
+# ---- the measurements: each step once, with a marker ----
+step() {  # name, minimum seconds needed, command...
+  local name=$1 need=$2; shift 2
+  [ -f "$S/$name.done" ] && return 0
+  if [ "$(left)" -lt "$need" ]; then log "not enough time for $name; call again"; exit 3; fi
+  log "$name: $*"
+  local t0=$SECONDS
+  timeout $(( $(left) - 10 )) "$@" > "$S/$name.out" 2> "$S/$name.err"
+  local rc=$?
+  log "$name exit $rc in $((SECONDS - t0)) s"
+  [ $rc = 0 ] && touch "$S/$name.done" || tail -5 "$S/$name.err"
+}
+bandwidth() {
+  python3 - <<'EOF'
+import json, torch
+def med(f, n=10):
+    ts = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); f(); b.record(); b.synchronize(); ts.append(a.elapsed_time(b) / 1000)
+    return sorted(ts)[n // 2]
+n = 4 << 30
+x = torch.empty(n, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
+x.random_(0, 255); y.copy_(x)
+d2d = 2 * n / med(lambda: y.copy_(x)) / 1e12
+h = torch.empty(n // 2, dtype=torch.uint8, pin_memory=True); z = x[: n // 2]
+h2d = (n // 2) / med(lambda: z.copy_(h, non_blocking=True)) / 1e9
+d2h = (n // 2) / med(lambda: h.copy_(z, non_blocking=True)) / 1e9
+print(json.dumps({"kind": "bandwidth", "copy_bw_tb_s": round(d2d, 3), "pinned_h2d_gb_s": round(h2d, 1),
+                  "pinned_d2h_gb_s": round(d2h, 1), "gpu": torch.cuda.get_device_name()}))
+EOF
+}
+[ "$BACKEND" = cuda ] && step bandwidth 60 bandwidth
+for B in ${BUILDS//,/ }; do
+  export LD_LIBRARY_PATH=$S/$B
+  step "$B-tg" 150 "$S/$B/mc_gpu_bench" tg "$MODEL" 0,4096,32768 64
+  step "$B-verify1" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 1 1,2,4,8,16,32,64
+  step "$B-verify12" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 12 1,2,4,8,16
+  step "$B-batched" 150 "$S/$B/llama-batched-bench" -m "$MODEL" -c 16384 -b 2048 -ub 512 -npp 512 -ntg 128 \
+    -npl 1,2,4,8,12,16 -ngl 99 -fa on --output-format jsonl
+  if [ "$B" = patched ] && [ "$BACKEND" = cuda ]; then
+    for op in ${OPS//,/ }; do
+      step "$B-ops-$op" 120 "$S/$B/test-backend-ops" test -b CUDA0 -o "$op"
+    done
+  fi
+  case ",$PROFILE," in *",$B,"*)
+    step "$B-profile" 200 ncu --clock-control none --cache-control none --profile-from-start off \
+      --metrics gpu__time_duration.sum --print-units base --csv --page raw "$S/$B/mc_gpu_bench" profile "$MODEL" 512 1 ;;
+  esac
+  unset LD_LIBRARY_PATH
+done
+
+# ---- MegaCapybara's engine on the patched build ----
+if [ "${MC_SBS_ENGINE:-1}" = 1 ] && [ ! -f "$S/engine.done" ]; then
+  SRCROOT=$(ls -d "$S"/src/*/ | head -1)
+  if [ "$(left)" -lt 240 ]; then log "not enough time for the engine; call again"; exit 3; fi
+  export LLAMA_CPP_LIB_PATH=$S/patched LD_LIBRARY_PATH=$S/patched PYTHONPATH=$SRCROOT:$ROOT
+  # the libstdc++ check: numpy and torch loaded before llama.cpp, then a model load (it crashed in
+  # llama_model::print_info when libggml-cuda.so exported its own libstdc++ copy)
+  if ! python3 -c 'import numpy, torch, sys, llama_cpp as L
+p = L.llama_model_default_params(); p.vocab_only = True
+m = L.llama_model_load_from_file(sys.argv[1].encode(), p); assert m; print("abi check: ok")' "$MODEL" >> "$S/engine.log" 2>&1; then
+    export LD_PRELOAD=$(ldd "$S/patched/libllama.so" | awk '/libstdc\+\+/ {print $3}')
+    log "abi check FAILED (numpy/torch first); the engine runs with LD_PRELOAD=$LD_PRELOAD"
+  else
+    log "abi check ok: numpy and torch first, then a model load, without LD_PRELOAD"
+  fi
+  log "engine: bench/gpu/engine_gpu.py on the patched build"
+  timeout $(( $(left) - 10 )) python3 -c 'import numpy, torch, runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name="__main__")' \
+    bench/gpu/engine_gpu.py "$MODEL" --tasks 12 --json "$S/engine.json" 2>&1 | grep -av INFO | tee -a "$S/engine.log"
+  [ "${PIPESTATUS[0]}" = 0 ] && touch "$S/engine.done"
+  unset LD_PRELOAD LLAMA_CPP_LIB_PATH LD_LIBRARY_PATH PYTHONPATH
+fi
+nm -DC --defined-only "$S/patched/libggml-$BACKEND.so" 2>/dev/null | grep -c 'std::' > "$S/stdcxx-symbols.txt"
+log "=== call end"
