@@ -74,11 +74,19 @@ if [ ! -f "$S/whl.done" ] && ls .device/whl/*.whl > /dev/null 2>&1; then
 fi
 
 # ---- the build: stock, then the patch series on top (background) ----
+# build.sh is written again by every call until the build is done, and skips the parts it finished,
+# so a call with a fixed script resumes a failed build on a warm machine.
+if [ -f "$S/build.rc" ] && [ "$(cat "$S/build.rc")" != 0 ] && [ ! -f "$S/build.retried" ]; then
+  log "the last build failed: retrying once ($(tail -1 "$S/build.log"))"
+  touch "$S/build.retried"; rm -f "$S/build.rc" "$S/build.started"
+fi
 if [ ! -f "$S/build.started" ]; then
-  rm -rf "$S/src" "$S/stock" "$S/patched" && mkdir -p "$S/src" "$S/stock" "$S/patched"
-  tar xzf "$SDIST" -C "$S/src" || { log "cannot unpack $SDIST"; exit 1; }
+  if [ ! -d "$S/src" ]; then
+    mkdir -p "$S/src" && tar xzf "$SDIST" -C "$S/src" || { log "cannot unpack $SDIST"; exit 1; }
+  fi
+  mkdir -p "$S/stock" "$S/patched"
   SRCROOT=$(ls -d "$S"/src/*/ | head -1)
-  cp -r ggml-patches "$S/ggml-patches"
+  rm -rf "$S/ggml-patches" && cp -r ggml-patches "$S/ggml-patches"
   cp bench/gpu/mc_gpu_bench.cpp "$S/"
   HASH=$(cd "$S/ggml-patches" && python3 -c 'import build; print(build.series_hash())')
   cat > "$S/build.sh" <<EOF
@@ -93,15 +101,21 @@ cmake -S \$L -B $S/build -G Ninja $BACKEND_ARGS -DCMAKE_BUILD_TYPE=Release \
 stage() {  # copy the build's programs and libraries to \$1, and build the measuring program there
   cp -f $S/build/bin/*.so* $S/build/bin/llama-bench $S/build/bin/llama-batched-bench $S/build/bin/test-backend-ops \$1/ &&
   g++ -O2 -std=c++17 -I\$L/include -I\$L/ggml/include $S/mc_gpu_bench.cpp -L\$1 -lllama -lggml -lggml-base -ldl \
-    -Wl,-rpath,'\$\$ORIGIN' -o \$1/mc_gpu_bench
+    -Wl,-rpath-link,\$1 -Wl,-rpath,'\$\$ORIGIN' -o \$1/mc_gpu_bench
 }
-cmake --build $S/build -j \$(nproc) --target $TARGETS || exit 1
-stage $S/stock || exit 1
+if [ ! -f $S/stock.done ]; then
+  cmake --build $S/build -j \$(nproc) --target $TARGETS || exit 1
+  stage $S/stock || exit 1
+  echo "stock_build_s \$((\$(date +%s) - t0))" > $S/build-times.txt
+  touch $S/stock.done
+fi
 t1=\$(date +%s)
-echo "stock_build_s \$((t1 - t0))" > $S/build-times.txt
-for p in \$(grep -v '^#' $S/ggml-patches/series); do
-  patch -p1 --forward --batch -d $SRCROOT < $S/ggml-patches/patches/\$p || { echo "patch \$p failed"; exit 1; }
-done
+if [ ! -f $S/patches.applied ]; then
+  for p in \$(grep -v '^#' $S/ggml-patches/series); do
+    patch -p1 --forward --batch -d $SRCROOT < $S/ggml-patches/patches/\$p || { echo "patch \$p failed"; exit 1; }
+  done
+  touch $S/patches.applied
+fi
 cmake --build $S/build -j \$(nproc) --target $TARGETS || exit 1
 stage $S/patched || exit 1
 echo "patched_rebuild_s \$((\$(date +%s) - t1))" >> $S/build-times.txt
