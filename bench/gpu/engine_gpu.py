@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--breakdown", default="32768", help="depths at which to time the llama.cpp calls alone")
     args = ap.parse_args()
     res: dict = {"git_commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "model": str(args.model)}
-    for n in [int(t) for t in args.tasks.split(",") if t]:
+    for n in [int(t) for t in args.tasks.split(",") if t and t != "none"]:
         res[f"agg_tok_s_{n}"] = engine_aggregate(args.model, n, 128, 128, n_gpu_layers=999)
         print(f"engine, {n:>2} tasks: {res[f'agg_tok_s_{n}']:.1f} tok/s", flush=True)
         Path(args.json).write_text(json.dumps(res, indent=2))
@@ -46,7 +46,7 @@ def main() -> None:
     res["swap_pinned"] = _pinned_probe()
     print(f"swap pool pinned: {res['swap_pinned']}", flush=True)
     for kv in ("f16", "q8_0"):
-        for depth in [int(d) for d in args.depths.split(",") if d]:
+        for depth in [int(d) for d in args.depths.split(",") if d and d != "none"]:
             fig = swap_figures(args.model, depth, repeats=5, n_gpu_layers=999, kv=kv)
             res[f"swap_{kv}_{depth}"] = fig
             print(

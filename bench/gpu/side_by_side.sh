@@ -35,6 +35,8 @@ MODEL=${MC_BENCH_MODEL:-$S/q27.gguf}
 BUILDS=${MC_SBS_BUILDS:-stock,patched}
 PROFILE=${MC_SBS_PROFILE:-}
 OPS=${MC_SBS_OPS:-MUL_MAT,GATED_DELTA_NET,SSM_CONV,RMS_NORM}
+MEASURE=,${MC_SBS_MEASURE:-tg,verify1,verify12,batched},  # which measurements per build
+ENGINE_ARGS=${MC_ENGINE_ARGS:---tasks 12}
 mkdir -p "$S" "$OUT"
 export PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
@@ -187,13 +189,16 @@ print(json.dumps({"kind": "bandwidth", "copy_bw_tb_s": round(d2d, 3), "pinned_h2
 EOF
 }
 [ "$BACKEND" = cuda ] && step bandwidth 60 bandwidth
+# one GPU: llama.cpp would split the model over every visible GPU
+export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+want() { case "$MEASURE" in *",$1,"*) return 0 ;; esac; return 1; }
 for B in ${BUILDS//,/ }; do
   export LD_LIBRARY_PATH=$S/$B
-  step "$B-tg" 150 "$S/$B/mc_gpu_bench" tg "$MODEL" 0,4096,32768 64
-  step "$B-verify1" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 1 1,2,4,8,16,32,64
-  step "$B-verify12" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 12 1,2,4,8,16
-  step "$B-batched" 150 "$S/$B/llama-batched-bench" -m "$MODEL" -c 16384 -b 2048 -ub 512 -npp 512 -ntg 128 \
-    -npl 1,2,4,8,12,16 -ngl 99 -fa on --output-format jsonl
+  want tg && step "$B-tg" 150 "$S/$B/mc_gpu_bench" tg "$MODEL" 0,4096,32768 64
+  want verify1 && step "$B-verify1" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 1 1,2,4,8,16,32,64
+  want verify12 && step "$B-verify12" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 12 1,2,4,8,16
+  want batched && step "$B-batched" 150 "$S/$B/llama-batched-bench" -m "$MODEL" -c 16384 -b 2048 -ub 512 \
+    -npp 512 -ntg 128 -npl 1,2,4,8,12,16 -ngl 99 -fa on --output-format jsonl
   if [ "$B" = patched ] && [ "$BACKEND" = cuda ]; then
     for op in ${OPS//,/ }; do
       step "$B-ops-$op" 120 "$S/$B/test-backend-ops" test -b CUDA0 -o "$op"
@@ -223,7 +228,7 @@ m = L.llama_model_load_from_file(sys.argv[1].encode(), p); assert m; print("abi 
   fi
   log "engine: bench/gpu/engine_gpu.py on the patched build"
   timeout $(( $(left) - 10 )) python3 -c 'import numpy, torch, runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name="__main__")' \
-    bench/gpu/engine_gpu.py "$MODEL" --tasks 12 --json "$S/engine.json" 2>&1 | grep -av INFO | tee -a "$S/engine.log"
+    bench/gpu/engine_gpu.py "$MODEL" $ENGINE_ARGS --json "$S/engine.json" 2>&1 | grep -av INFO | tee -a "$S/engine.log"
   [ "${PIPESTATUS[0]}" = 0 ] && touch "$S/engine.done"
   unset LD_PRELOAD LLAMA_CPP_LIB_PATH LD_LIBRARY_PATH PYTHONPATH
 fi
