@@ -7,6 +7,9 @@
 //   mc_gpu_bench profile MODEL DEPTH STEPS       STEPS single-token decodes inside a profiler range
 //                                                (cudaProfilerStart/Stop; run under ncu
 //                                                --profile-from-start off)
+//   mc_gpu_bench logits  MODEL OUT.bin           fixed tokens, teacher-forced: the logits of a 64-token
+//                                                prefill's last token, of 8 single-token steps and of
+//                                                one 16-token step (all rows), float32 rows to OUT.bin
 //
 // DEPTHS and SIZES are comma lists. Every timed decode ends with llama_synchronize (llama_decode
 // returns before the GPU is done), after warm-up decodes of the same shape. Output: one JSON object
@@ -242,6 +245,41 @@ int cmd_profile(int argc, char ** argv) {
     return 0;
 }
 
+int cmd_logits(int argc, char ** argv) {
+    if (argc < 4) {
+        fprintf(stderr, "usage: mc_gpu_bench logits MODEL OUT.bin\n");
+        return 2;
+    }
+    Bench  b(argv[2], 256, 1, 16);
+    FILE * f = fopen(argv[3], "wb");
+    if (!f) {
+        fprintf(stderr, "mc_gpu_bench: cannot write %s\n", argv[3]);
+        return 1;
+    }
+    auto dump = [&](int rows) {
+        llama_synchronize(b.ctx);
+        for (int i = rows; i > 0; i--) {
+            fwrite(llama_get_logits_ith(b.ctx, -i), sizeof(float), b.n_vocab, f);
+        }
+    };
+    b.prefill(0, 1);
+    b.fill(1, 64, 0, false);
+    b.decode();
+    dump(1);
+    int pos = 64;
+    for (int i = 0; i < 8; i++, pos++) {
+        b.fill(1, 1, pos, true);
+        b.decode();
+        dump(1);
+    }
+    b.fill(1, 16, pos, true);
+    b.decode();
+    dump(16);
+    fclose(f);
+    printf("{\"kind\": \"logits\", \"rows\": 25, \"n_vocab\": %d, \"path\": \"%s\"}\n", b.n_vocab, argv[3]);
+    return 0;
+}
+
 }  // namespace
 
 int main(int argc, char ** argv) {
@@ -255,6 +293,9 @@ int main(int argc, char ** argv) {
     if (cmd == "profile") {
         return cmd_profile(argc, argv);
     }
-    fprintf(stderr, "usage: mc_gpu_bench tg|verify|profile MODEL ...\n");
+    if (cmd == "logits") {
+        return cmd_logits(argc, argv);
+    }
+    fprintf(stderr, "usage: mc_gpu_bench tg|verify|profile|logits MODEL ...\n");
     return 2;
 }

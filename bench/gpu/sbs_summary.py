@@ -97,6 +97,31 @@ def profile_summary(text: str) -> dict:
     }
 
 
+def compare_logits(state: Path) -> dict | None:
+    """Teacher-forced logits of the two builds (mc_gpu_bench logits): relative L2 error per row and
+    whether the argmax agrees. Rows: a 64-token prefill's last, 8 single-token steps, 16 rows of one
+    16-token step."""
+    a, b = state / "stock-logits.bin", state / "patched-logits.bin"
+    if not (a.exists() and b.exists()):
+        return None
+    import numpy as np
+
+    info = (json_lines(state / "stock-logits.out") or [{}])[0]
+    n_vocab = info.get("n_vocab")
+    if not n_vocab:
+        return None
+    x = np.fromfile(a, dtype=np.float32).reshape(-1, n_vocab).astype(np.float64)
+    y = np.fromfile(b, dtype=np.float32).reshape(-1, n_vocab).astype(np.float64)
+    rel = np.linalg.norm(y - x, axis=1) / np.linalg.norm(x, axis=1)
+    return {
+        "rows": int(x.shape[0]),
+        "rel_l2_max": float(rel.max()),
+        "rel_l2_median": float(np.median(rel)),
+        "argmax_agree": int((x.argmax(1) == y.argmax(1)).sum()),
+        "finite": bool(np.isfinite(y).all()),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("state", type=Path)
@@ -143,6 +168,7 @@ def main() -> None:
         if s and p:
             ratios[key] = round(p / s, 3)
     res["patched_over_stock"] = ratios
+    res["logits_patched_vs_stock"] = compare_logits(st)
     eng = st / "engine.json"
     if eng.exists():
         e = json.loads(eng.read_text())
@@ -184,6 +210,8 @@ def print_table(res: dict) -> None:
         s, p = res.get(f"{key}_stock"), res.get(f"{key}_patched")
         r = f"{p / s:.3f}" if s and p else ""
         print(f"{label:<34}{s if s is not None else '-':>12}{p if p is not None else '-':>12}{r:>8}")
+    if res.get("logits_patched_vs_stock"):
+        print(f"logits patched vs stock: {res['logits_patched_vs_stock']}")
     for b in ("stock", "patched"):
         for k in ("verify_ms", "verify12_ms"):
             if res.get(f"{k}_{b}"):

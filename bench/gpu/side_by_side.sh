@@ -35,7 +35,7 @@ MODEL=${MC_BENCH_MODEL:-$S/q27.gguf}
 BUILDS=${MC_SBS_BUILDS:-stock,patched}
 PROFILE=${MC_SBS_PROFILE:-}
 OPS=${MC_SBS_OPS:-MUL_MAT,GATED_DELTA_NET,SSM_CONV,RMS_NORM}
-MEASURE=,${MC_SBS_MEASURE:-tg,verify1,verify12,batched},  # which measurements per build
+MEASURE=,${MC_SBS_MEASURE:-logits,tg,verify1,verify12,batched},  # which measurements per build
 ENGINE_ARGS=${MC_ENGINE_ARGS:---tasks 12}
 mkdir -p "$S" "$OUT"
 export PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1
@@ -51,9 +51,10 @@ TARGETS="llama ggml llama-bench llama-batched-bench test-backend-ops"
 
 log() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$S/steps.log"; }
 left() { echo $((DEADLINE - SECONDS)); }
-ship() {
-  cp -f "$S"/*.log "$S"/*.out "$S"/*.err "$S"/*.json "$S"/*.txt "$OUT"/ 2>/dev/null
+ship() {  # three files: the device tool brings back only a few
   python3 "$ROOT/bench/gpu/sbs_summary.py" "$S" --out "$OUT/summary.json" > "$OUT/summary.txt" 2>&1
+  (cd "$S" && tar czf "$OUT/state.tar.gz" $(ls *.log *.out *.err *.json *.txt 2>/dev/null))
+  tail -45 "$OUT/summary.txt"
   tail -40 "$OUT/summary.txt"
   return 0
 }
@@ -118,6 +119,7 @@ if [ ! -f $S/patches.applied ]; then
   done
   touch $S/patches.applied
 fi
+cmake $S/build > /dev/null || exit 1  # a patch may add source files: configure again
 cmake --build $S/build -j \$(nproc) --target $TARGETS || exit 1
 stage $S/patched || exit 1
 echo "patched_rebuild_s \$((\$(date +%s) - t1))" >> $S/build-times.txt
@@ -168,32 +170,13 @@ step() {  # name, minimum seconds needed, command...
   log "$name exit $rc in $((SECONDS - t0)) s"
   [ $rc = 0 ] && touch "$S/$name.done" || tail -5 "$S/$name.err"
 }
-bandwidth() {
-  python3 - <<'EOF'
-import json, torch
-def med(f, n=10):
-    ts = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); f(); b.record(); b.synchronize(); ts.append(a.elapsed_time(b) / 1000)
-    return sorted(ts)[n // 2]
-n = 4 << 30
-x = torch.empty(n, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
-x.random_(0, 255); y.copy_(x)
-d2d = 2 * n / med(lambda: y.copy_(x)) / 1e12
-h = torch.empty(n // 2, dtype=torch.uint8, pin_memory=True); z = x[: n // 2]
-h2d = (n // 2) / med(lambda: z.copy_(h, non_blocking=True)) / 1e9
-d2h = (n // 2) / med(lambda: h.copy_(z, non_blocking=True)) / 1e9
-print(json.dumps({"kind": "bandwidth", "copy_bw_tb_s": round(d2d, 3), "pinned_h2d_gb_s": round(h2d, 1),
-                  "pinned_d2h_gb_s": round(d2h, 1), "gpu": torch.cuda.get_device_name()}))
-EOF
-}
-[ "$BACKEND" = cuda ] && step bandwidth 60 bandwidth
+[ "$BACKEND" = cuda ] && step bandwidth 60 python3 "$ROOT/bench/gpu/bandwidth.py"
 # one GPU: llama.cpp would split the model over every visible GPU
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 want() { case "$MEASURE" in *",$1,"*) return 0 ;; esac; return 1; }
 for B in ${BUILDS//,/ }; do
   export LD_LIBRARY_PATH=$S/$B
+  want logits && step "$B-logits" 60 "$S/$B/mc_gpu_bench" logits "$MODEL" "$S/$B-logits.bin"
   want tg && step "$B-tg" 150 "$S/$B/mc_gpu_bench" tg "$MODEL" 0,4096,32768 64
   want verify1 && step "$B-verify1" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 1 1,2,4,8,16,32,64
   want verify12 && step "$B-verify12" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 12 1,2,4,8,16
