@@ -55,7 +55,6 @@ ship() {  # three files: the device tool brings back only a few
   python3 "$ROOT/bench/gpu/sbs_summary.py" "$S" --out "$OUT/summary.json" > "$OUT/summary.txt" 2>&1
   (cd "$S" && tar czf "$OUT/state.tar.gz" $(ls *.log *.out *.err *.json *.txt 2>/dev/null))
   tail -45 "$OUT/summary.txt"
-  tail -40 "$OUT/summary.txt"
   return 0
 }
 trap ship EXIT
