@@ -77,7 +77,15 @@ class BuildTarget:
             f"-DMC_PACKAGE_VERSION={VERSION}",
         ]
         if self.backend == "cuda":
-            args += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={self.arch}"]
+            # --exclude-libs: libggml-cuda.so linked a static copy of libstdc++ on the GPU image (g++
+            # 13.3 from /opt/gcc) and exported its 3,465 std:: symbols; with numpy or torch loaded first
+            # they clashed with the system libstdc++ (a crash in llama_model::print_info, "free():
+            # invalid pointer"). Hidden, 67 remain and both import orders work (H200, 2026-11-29).
+            args += [
+                "-DGGML_CUDA=ON",
+                f"-DCMAKE_CUDA_ARCHITECTURES={self.arch}",
+                "-DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL",
+            ]
         else:
             args += [f"-DGGML_NATIVE={'OFF' if self.arch == 'portable' else 'ON'}"]
         return args

@@ -63,6 +63,7 @@ def test_cache_key_and_cmake_args_per_backend(build_script):
     assert cuda.key == f"0.3.36-{h[:16]}-cuda-90-120"
     assert "-DGGML_CUDA=ON" in cuda.cmake_args()
     assert "-DCMAKE_CUDA_ARCHITECTURES=90;120" in cuda.cmake_args()
+    assert "-DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL" in cuda.cmake_args()
     cpu = build_script.BuildTarget("cpu", "portable", h)
     assert "-DGGML_NATIVE=OFF" in cpu.cmake_args()
     assert f"-DMC_PATCH_SERIES_HASH={h}" in cpu.cmake_args()
