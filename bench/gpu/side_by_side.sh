@@ -34,7 +34,7 @@ SDIST=$(readlink -f "${MC_SDIST:-.device/llama_cpp_python-0.3.36.tar.gz}")
 MODEL=${MC_BENCH_MODEL:-$S/q27.gguf}
 BUILDS=${MC_SBS_BUILDS:-stock,patched}
 PROFILE=${MC_SBS_PROFILE:-}
-OPS=${MC_SBS_OPS:-MUL_MAT,GATED_DELTA_NET,SSM_CONV,RMS_NORM}
+OPS=${MC_SBS_OPS:-MUL_MAT,MUL_MAT_VEC_FUSION,GATED_DELTA_NET,SSM_CONV,RMS_NORM}
 MEASURE=,${MC_SBS_MEASURE:-logits,tg,verify1,verify12,batched},  # which measurements per build
 ENGINE_ARGS=${MC_ENGINE_ARGS:---tasks 12}
 mkdir -p "$S" "$OUT"
