@@ -48,6 +48,7 @@ class EngineConfig:
     quantum_s: float = 0.5
     swap_ram_bytes: int = 8 << 30
     swap_dir: Path | None = None
+    swap_prealloc_bytes: int = 0  # host memory reserved at start for paused states (SwapPool arena)
     max_sessions: int = 32  # finished conversations kept for reuse
     loop_guard: LoopGuardConfig = field(default_factory=LoopGuardConfig)
     max_queue: int = 256  # open tasks beyond which submit() refuses (HTTP 503)
@@ -91,6 +92,7 @@ def config_from_settings(settings) -> EngineConfig:
         quantum_s=settings.quantum_s,
         swap_ram_bytes=swap_ram,
         swap_dir=swap_dir,
+        swap_prealloc_bytes=min(settings.swap_prealloc_mb << 20, swap_ram),
         max_sessions=settings.max_sessions,
         loop_guard=guard,
         max_queue=settings.max_queue,
@@ -137,7 +139,12 @@ class LlamaEngine(Engine):
         self.ctx = Context(self.model, config.context)
         self.batch = Batch(config.context.n_batch)
         self._chat = ChatTemplate(self.model)
-        self.swap = SwapPool(config.swap_ram_bytes, config.swap_dir, pinned=_want_pinned(n_gpu_layers))
+        self.swap = SwapPool(
+            config.swap_ram_bytes,
+            config.swap_dir,
+            pinned=_want_pinned(n_gpu_layers),
+            prealloc_bytes=config.swap_prealloc_bytes,
+        )
         self._events = ev.EventBus()
         self.stats = EngineStats()
         slots = config.context.n_seq_max
@@ -192,6 +199,8 @@ class LlamaEngine(Engine):
             "mc_kv_cells_used": sum(s["cells"] for s in slots),
             "mc_swap_bytes": self.swap.ram_bytes + self.swap.disk_bytes,
             "mc_swap_disk_bytes": self.swap.disk_bytes,
+            "mc_swap_arena_bytes": self.swap.arena_bytes,
+            "mc_swap_allocations_total": self.swap.grown,
             "mc_cached_sessions": len(self.res.sessions),
         }
 

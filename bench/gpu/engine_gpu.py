@@ -57,7 +57,7 @@ def main() -> None:
             Path(args.json).write_text(json.dumps(res, indent=2))
 
 
-def swap_breakdown(model: Path, depth: int, kv: str, repeats: int = 5) -> dict:
+def swap_breakdown(model: Path, depth: int, kv: str, repeats: int = 5, n_gpu_layers: int = 999) -> dict:
     """Median ms of each llama.cpp call of a pause/resume alone (no engine around them): the state
     size pass, llama_state_seq_get_data into a reused page-locked buffer, clearing the sequence, and
     llama_state_seq_set_data back into another sequence."""
@@ -70,8 +70,8 @@ def swap_breakdown(model: Path, depth: int, kv: str, repeats: int = 5) -> dict:
     params = ContextParams(
         n_ctx=depth + 256, n_batch=512, n_seq_max=2, flash_attn="on", cache_type_k=kv, cache_type_v=kv
     )
-    pool = SwapPool(64 << 30, pinned=_pinned_probe())
-    with Model(str(model), 999) as m, Context(m, params) as ctx, Batch(512) as batch:
+    pool = SwapPool(64 << 30, pinned=n_gpu_layers > 0 and _pinned_probe())
+    with Model(str(model), n_gpu_layers) as m, Context(m, params) as ctx, Batch(512) as batch:
         toks = (m.tokenize("Capybaras are the largest rodents in the world. ") * (depth // 8 + 1))[:depth]
         for p0 in range(0, depth, 512):
             batch.clear()

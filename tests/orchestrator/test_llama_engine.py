@@ -94,6 +94,20 @@ def test_tight_budget_pauses_tasks_and_all_finish(gemma_path):
         engine.close()
 
 
+def test_a_preallocated_swap_arena_serves_every_pause(gemma_path):
+    engine = make_engine(gemma_path, n_ctx=256, slots=4, age_bound_s=0.3, quantum_s=0.05,
+                         swap_prealloc_bytes=64 << 20)  # fmt: skip
+    try:
+        readers = [engine.submit(greedy(engine, p, 60)) for p in PROMPTS * 2]
+        results = [r.text() for r in readers]
+        assert all(f.reason is StopReason.LENGTH and f.usage.completion_tokens == 60 for _, f in results)
+        assert engine.stats.pauses > 0 and engine.stats.resumes > 0
+        metrics = engine.metrics()
+        assert metrics["mc_swap_arena_bytes"] == 64 << 20 and metrics["mc_swap_allocations_total"] == 0
+    finally:
+        engine.close()
+
+
 def test_more_tasks_than_slots_all_finish(gemma_path):
     engine = make_engine(gemma_path, slots=2)
     try:

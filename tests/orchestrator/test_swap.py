@@ -96,3 +96,63 @@ def test_pinned_buffers_round_trip_where_torch_can_pin(monkeypatch):
     assert pool.acquire(3_000_000) is got  # reused, still owned by its tensor
     pool.close()
     assert pool._owners == {}
+
+
+# ---- the arena reserved at start (swap_prealloc_mb) ----
+
+
+def test_arena_serves_pauses_without_allocating():
+    pool = SwapPool(ram_limit_bytes=64 << 20, prealloc_bytes=16 << 20)
+    assert pool.arena_bytes == 16 << 20
+    for round_ in range(20):  # tasks of different sizes pausing and resuming, over and over
+        sizes = [(1_000_000 + 37_000 * round_) * (1 + k) for k in range(3)]
+        for key, n in enumerate(sizes):
+            buf = _state(pool, n, key + round_)
+            assert np.shares_memory(buf, pool._arena)
+            pool.put(key, buf, n)
+        for key, n in enumerate(sizes):
+            buf, got = pool.take(key)
+            assert got == n and (buf[:n] == key + round_).all()
+            pool.release(buf)
+    assert pool.grown == 0
+    assert pool._arena_free == [(0, 16 << 20)]  # every range merged back
+
+
+def test_arena_ranges_never_overlap_and_freed_neighbours_merge():
+    pool = SwapPool(ram_limit_bytes=64 << 20, prealloc_bytes=12 << 20)
+    a, b, c = (pool.acquire(3 << 20) for _ in range(3))  # 4 MiB each with headroom: the arena is full
+    for fill, buf in enumerate((a, b, c), start=1):
+        buf[:] = fill
+    assert (a == 1).all() and (b == 2).all() and (c == 3).all()
+    pool.release(b)
+    pool.release(a)  # a and b are neighbours: one 8 MiB range
+    big = pool.acquire(7 << 20)
+    assert np.shares_memory(big, pool._arena) and pool.grown == 0 and (c == 3).all()
+    pool.release(big)
+    pool.release(c)
+    assert pool._arena_free == [(0, 12 << 20)]
+
+
+def test_a_state_larger_than_the_arena_is_allocated_and_counted():
+    pool = SwapPool(ram_limit_bytes=64 << 20, prealloc_bytes=4 << 20)
+    buf = _state(pool, 8 << 20, 4)
+    assert not np.shares_memory(buf, pool._arena) and pool.grown == 1
+    pool.put(1, buf, 8 << 20)
+    got, n = pool.take(1)
+    assert (got[:n] == 4).all()
+
+
+def test_a_prealloc_over_the_ram_limit_reserves_the_limit():
+    pool = SwapPool(ram_limit_bytes=8 << 20, prealloc_bytes=64 << 20)
+    assert pool.arena_bytes == 8 << 20
+
+
+def test_an_arena_state_still_obeys_the_ram_limit(tmp_path):
+    pool = SwapPool(ram_limit_bytes=6 << 20, spill_dir=tmp_path, min_free_ram_bytes=0, prealloc_bytes=6 << 20)
+    pool.put(1, _state(pool, 3_000_000, 1), 3_000_000)  # 4 MiB with headroom: in RAM
+    assert pool.put(2, _state(pool, 1_500_000, 2), 1_500_000) == "ram"  # 2 MiB: exactly the limit
+    assert pool.put(3, _state(pool, 10_000, 3), 10_000) == "disk"  # over the limit: spilled, not lost
+    for key, fill, n in ((1, 1, 3_000_000), (2, 2, 1_500_000), (3, 3, 10_000)):
+        buf, got = pool.take(key)
+        assert got == n and (buf[:n] == fill).all()
+        pool.release(buf)
