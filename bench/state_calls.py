@@ -13,6 +13,7 @@ Defaults: the tiny qwen35 model (generated), depths 8192 and 32768, f16 KV, CPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import sys
@@ -48,7 +49,7 @@ def main() -> None:
         "git_commit": git_commit(),
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{cpu_name()} ({platform.machine()})",
-        "backend": build_info(),
+        "backend": dataclasses.asdict(build_info()),
         "model": str(model),
         "command": " ".join(sys.argv),
         "figures": {},

@@ -10,7 +10,8 @@
 #
 # Needs: nvcc, cmake, ninja, g++, python3 with torch (for the bandwidth figures and the engine's
 # page-locked pool), numpy and gguf; the llama-cpp-python sdist (`python ggml-patches/build.py
-# --pack-sdist .device/llama_cpp_python-0.3.36.tar.gz`; MC_SDIST overrides), and, for the engine,
+# --pack-sdist .device/llama_cpp_python-0.3.36.tar.gz`, done here when missing and pip has network;
+# MC_SDIST overrides), and, for the engine,
 # the diskcache wheel in .device/whl/ where pip has no network. The 27B model: MC_BENCH_MODEL names
 # an existing qwen35 GGUF, else MC_GEN_SCRIPT (default .device/gen_qwen35_gguf.py, the team's
 # reference generator from shared/device) writes a random-weight one (Q4_0, output Q6_K) at the
@@ -30,7 +31,11 @@ DEADLINE=${1:-570}
 ROOT=$(pwd)
 S=${MC_STATE:-/tmp/mcs}
 : "${OUT:?set OUT to the folder for results}"
-SDIST=$(readlink -f "${MC_SDIST:-.device/llama_cpp_python-0.3.36.tar.gz}")
+SDIST=${MC_SDIST:-.device/llama_cpp_python-0.3.36.tar.gz}
+if [ ! -f "$SDIST" ]; then  # a machine with network: fetch the pinned sdist and pack it
+  mkdir -p "$(dirname "$SDIST")" && python3 ggml-patches/build.py --pack-sdist "$SDIST" || { echo "no sdist at $SDIST"; exit 1; }
+fi
+SDIST=$(readlink -f "$SDIST")
 MODEL=${MC_BENCH_MODEL:-$S/q27.gguf}
 BUILDS=${MC_SBS_BUILDS:-stock,patched}
 PROFILE=${MC_SBS_PROFILE:-}
