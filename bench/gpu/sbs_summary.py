@@ -97,11 +97,11 @@ def profile_summary(text: str) -> dict:
     }
 
 
-def compare_logits(state: Path) -> dict | None:
+def compare_logits(state: Path, build: str = "patched") -> dict | None:
     """Teacher-forced logits of the two builds (mc_gpu_bench logits): relative L2 error per row and
     whether the argmax agrees. Rows: a 64-token prefill's last, 8 single-token steps, 16 rows of one
     16-token step."""
-    a, b = state / "stock-logits.bin", state / "patched-logits.bin"
+    a, b = state / "stock-logits.bin", state / f"{build}-logits.bin"
     if not (a.exists() and b.exists()):
         return None
     import numpy as np
@@ -148,7 +148,8 @@ def main() -> None:
     times = st / "build-times.txt"
     if times.exists():
         res["build_times"] = dict(ln.split() for ln in times.read_text().splitlines() if ln.strip())
-    builds = {b: build_figures(st, b) for b in ("stock", "patched")}
+    variants = sorted({p.name.split("-")[1] for p in st.glob("patched-v*-*.out")})
+    builds = {b: build_figures(st, b) for b in ("stock", "patched", *[f"patched-{v}" for v in variants])}
     res["builds"] = builds
     for b, f in builds.items():
         res[f"tg_tok_s_{b}"] = f.get("tg_depth_0_tok_s")
@@ -169,6 +170,11 @@ def main() -> None:
             ratios[key] = round(p / s, 3)
     res["patched_over_stock"] = ratios
     res["logits_patched_vs_stock"] = compare_logits(st)
+    for v in variants:
+        res[f"logits_patched_{v}_vs_stock"] = compare_logits(st, f"patched-{v}")
+        f = builds[f"patched-{v}"]
+        res[f"tg_tok_s_patched_{v}"] = f.get("tg_depth_0_tok_s")
+        res[f"tg32k_tok_s_patched_{v}"] = f.get("tg_depth_32768_tok_s")
     eng = st / "engine.json"
     if eng.exists():
         e = json.loads(eng.read_text())
@@ -210,6 +216,12 @@ def print_table(res: dict) -> None:
         s, p = res.get(f"{key}_stock"), res.get(f"{key}_patched")
         r = f"{p / s:.3f}" if s and p else ""
         print(f"{label:<34}{s if s is not None else '-':>12}{p if p is not None else '-':>12}{r:>8}")
+    for key in sorted(k for k in res if k.startswith(("tg_tok_s_patched_v", "tg32k_tok_s_patched_v"))):
+        base = res.get("tg_tok_s_stock" if key.startswith("tg_") else "tg32k_tok_s_stock")
+        ratio = f" ({res[key] / base:.3f}x stock)" if base and res[key] else ""
+        print(f"{key}: {res[key]}{ratio}")
+    for key in sorted(k for k in res if k.startswith("logits_patched_v")):
+        print(f"{key}: {res[key]}")
     if res.get("logits_patched_vs_stock"):
         print(f"logits patched vs stock: {res['logits_patched_vs_stock']}")
     for b in ("stock", "patched"):

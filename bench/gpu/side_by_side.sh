@@ -25,7 +25,8 @@
 #
 # Settings (environment): MC_STATE (default /tmp/mcs), MC_CUDA_ARCH (default: this GPU's),
 # MC_SBS_BUILDS (stock,patched), MC_SBS_PROFILE (builds to profile with ncu, e.g. stock),
-# MC_SBS_ENGINE (1: run the engine part), MC_SBS_OPS (ops checked by test-backend-ops).
+# MC_SBS_ENGINE (1: run the engine part), MC_SBS_OPS (ops checked by test-backend-ops),
+# MC_SBS_VARIANTS (kernel variants to measure too, e.g. 2: MC_MMV_VARIANT=2 of patch 0003).
 set -u
 DEADLINE=${1:-570}
 ROOT=$(pwd)
@@ -189,6 +190,18 @@ for B in ${BUILDS//,/ }; do
   if [ "$B" = patched ] && [ "$BACKEND" = cuda ]; then
     for op in ${OPS//,/ }; do
       step "$B-ops-$op" 120 "$S/$B/test-backend-ops" test -b CUDA0 -o "$op"
+    done
+  fi
+  if [ "$B" = patched ] && [ -n "${MC_SBS_VARIANTS:-}" ]; then  # kernel variants (MC_MMV_VARIANT)
+    for v in ${MC_SBS_VARIANTS//,/ }; do
+      export MC_MMV_VARIANT=$v
+      want logits && step "$B-v$v-logits" 60 "$S/$B/mc_gpu_bench" logits "$MODEL" "$S/$B-v$v-logits.bin"
+      want tg && step "$B-v$v-tg" 150 "$S/$B/mc_gpu_bench" tg "$MODEL" 0,4096,32768 64
+      want verify1 && step "$B-v$v-verify1" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 1 1,2,4,8
+      [ "$BACKEND" = cuda ] && for op in MUL_MAT MUL_MAT_VEC_FUSION; do
+        step "$B-v$v-ops-$op" 120 "$S/$B/test-backend-ops" test -b CUDA0 -o "$op"
+      done
+      unset MC_MMV_VARIANT
     done
   fi
   case ",$PROFILE," in *",$B,"*)
