@@ -121,9 +121,15 @@ def one_at_a_time(model: Path, n_tasks: int) -> float:
 
 
 def swap_figures(
-    model: Path, n_prompt: int, repeats: int = 7, n_gpu_layers: int = 0, kv: str = "f16"
+    model: Path,
+    n_prompt: int,
+    repeats: int = 7,
+    n_gpu_layers: int = 0,
+    kv: str = "f16",
+    prealloc_bytes: int = 0,
 ) -> dict:
-    """Pause/resume ms (median) and state bytes of one task holding `n_prompt` tokens."""
+    """Pause/resume ms (median) and state bytes of one task holding `n_prompt` tokens; the first
+    pause apart (it allocates its buffer unless `prealloc_bytes` reserved an arena at start)."""
     ctx = ContextParams(
         n_ctx=n_prompt + 256,
         n_batch=512,
@@ -139,6 +145,7 @@ def swap_figures(
         loop_guard=LoopGuardConfig(enabled=False),
         max_sessions=0,
         swap_dir=Path(tempfile.mkdtemp()),
+        swap_prealloc_bytes=prealloc_bytes,
     )
     engine = LlamaEngine(str(model), cfg, n_gpu_layers)
     try:
@@ -165,6 +172,9 @@ def swap_figures(
             "state_bytes": int(nbytes),
             "state_bytes_per_token": nbytes / n_prompt,
             "n_swaps": len(pauses),
+            "first_pause_ms": pauses[0].ms,
+            "prealloc_bytes": prealloc_bytes,
+            "pool_allocations": engine.swap.grown,
         }
     finally:
         engine.close()

@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--tasks", default="1,4,12")
     ap.add_argument("--depths", default="8192,32768")
     ap.add_argument("--breakdown", default="32768", help="depths at which to time the llama.cpp calls alone")
+    ap.add_argument("--prealloc-mb", type=int, default=3072, help="swap arena reserved at start (0: none)")
     args = ap.parse_args()
     res: dict = {"git_commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "model": str(args.model)}
     for n in [int(t) for t in args.tasks.split(",") if t and t != "none"]:
@@ -47,11 +48,13 @@ def main() -> None:
     print(f"swap pool pinned: {res['swap_pinned']}", flush=True)
     for kv in ("f16", "q8_0"):
         for depth in [int(d) for d in args.depths.split(",") if d and d != "none"]:
-            fig = swap_figures(args.model, depth, repeats=5, n_gpu_layers=999, kv=kv)
+            fig = swap_figures(
+                args.model, depth, repeats=5, n_gpu_layers=999, kv=kv, prealloc_bytes=args.prealloc_mb << 20
+            )
             res[f"swap_{kv}_{depth}"] = fig
             print(
                 f"swap {kv} {depth}: pause {fig['pause_ms']:.1f} ms, resume {fig['resume_ms']:.1f} ms, "
-                f"{fig['state_bytes'] / 1e9:.3f} GB",
+                f"{fig['state_bytes'] / 1e9:.3f} GB, first pause {fig['first_pause_ms']:.1f} ms",
                 flush=True,
             )
             Path(args.json).write_text(json.dumps(res, indent=2))
