@@ -12,10 +12,10 @@
 # page-locked pool), numpy and gguf; the llama-cpp-python sdist (`python ggml-patches/build.py
 # --pack-sdist .device/llama_cpp_python-0.3.36.tar.gz`, done here when missing and pip has network;
 # MC_SDIST overrides), and, for the engine,
-# the diskcache wheel in .device/whl/ where pip has no network. The 27B model: MC_BENCH_MODEL names
-# an existing qwen35 GGUF, else MC_GEN_SCRIPT (default .device/gen_qwen35_gguf.py, the team's
-# reference generator from shared/device) writes a random-weight one (Q4_0, output Q6_K) at the
-# Qwen3.8 27B shapes.
+# the diskcache and gguf wheels in .device/whl/ where pip has no network. The 27B model:
+# MC_BENCH_MODEL names an existing qwen35 GGUF, else `python3 -m mcformat.random_model` writes a
+# random-weight one at the Qwen3.8 27B shapes (MC_SBS_WEIGHTS: q4_0, the default, or q8_0; the
+# output matrix Q6_K), 15.5 GB for Q4_0.
 #
 # One build tree: stock first (programs and shared libraries copied to $S/stock), then the patch
 # series on top and an incremental rebuild (copied to $S/patched), so the two differ only by the
@@ -37,7 +37,8 @@ if [ ! -f "$SDIST" ]; then  # a machine with network: fetch the pinned sdist and
   mkdir -p "$(dirname "$SDIST")" && python3 ggml-patches/build.py --pack-sdist "$SDIST" || { echo "no sdist at $SDIST"; exit 1; }
 fi
 SDIST=$(readlink -f "$SDIST")
-MODEL=${MC_BENCH_MODEL:-$S/q27.gguf}
+WEIGHTS=${MC_SBS_WEIGHTS:-q4_0}  # the random model's weights: q4_0 or q8_0 (output Q6_K either way)
+MODEL=${MC_BENCH_MODEL:-$S/random-27b-$WEIGHTS.gguf}
 BUILDS=${MC_SBS_BUILDS:-stock,patched}
 PROFILE=${MC_SBS_PROFILE:-}
 OPS=${MC_SBS_OPS:-MUL_MAT,MUL_MAT_VEC_FUSION,GATED_DELTA_NET,SSM_CONV,RMS_NORM}
@@ -134,14 +135,11 @@ EOF
   setsid nohup bash -c "bash $S/build.sh > $S/build.log 2>&1; echo \$? > $S/build.rc" < /dev/null > /dev/null 2>&1 &
 fi
 
-# ---- the model (background, low priority) ----
+# ---- the model (background, low priority): mcformat.random_model, quantized blocks written directly ----
 if [ ! -f "$MODEL" ] && [ ! -f "$S/gen.started" ]; then
-  mkdir -p "$S/vocab" && tar xzf "$SDIST" -C "$S/vocab" --wildcards '*/models/ggml-vocab-qwen35.gguf'
-  VOCAB=$(ls "$S"/vocab/*/vendor/llama.cpp/models/ggml-vocab-qwen35.gguf)
-  cp "${MC_GEN_SCRIPT:-.device/gen_qwen35_gguf.py}" "$S/gen_qwen35_gguf.py"
   touch "$S/gen.started"
-  log "model generation started: $MODEL"
-  setsid nohup bash -c "nice -n 19 python3 $S/gen_qwen35_gguf.py $MODEL --preset 27b --vocab-gguf $VOCAB \
+  log "model generation started: $MODEL (random qwen35 27B, $WEIGHTS)"
+  setsid nohup bash -c "cd $ROOT && nice -n 19 python3 -m mcformat.random_model $MODEL --preset 27b --weights $WEIGHTS \
     > $S/gen.log 2>&1; echo \$? > $S/gen.rc" < /dev/null > /dev/null 2>&1 &
 fi
 
