@@ -1,4 +1,5 @@
 #!/usr/bin/env sh
 # Preset: 12 agents at once on one GPU, each with room for long tool-using conversations.
-# 12 slots share 192k tokens of q8_0 KV; paused agents wait in RAM. Extra arguments override.
-exec "$(dirname "$0")/serve.sh" --slots 12 --ctx 196608 --cache-type-k q8_0 --cache-type-v q8_0 --flash-attn on "$@"
+# 12 slots share 192k tokens of q8_0 KV; paused agents wait in RAM, in 4 GiB reserved at start
+# (page-locked: pauses never allocate). Extra arguments override.
+exec "$(dirname "$0")/serve.sh" --slots 12 --ctx 196608 --cache-type-k q8_0 --cache-type-v q8_0 --flash-attn on --swap-prealloc-mb 4096 "$@"
