@@ -26,7 +26,10 @@
 # Settings (environment): MC_STATE (default /tmp/mcs), MC_CUDA_ARCH (default: this GPU's),
 # MC_SBS_BUILDS (stock,patched), MC_SBS_PROFILE (builds to profile with ncu, e.g. stock),
 # MC_SBS_ENGINE (1: run the engine part), MC_SBS_OPS (ops checked by test-backend-ops),
-# MC_SBS_VARIANTS (kernel variants to measure too, e.g. 2: MC_MMV_VARIANT=2 of patch 0003).
+# MC_SBS_VARIANTS (kernel variants to measure too, e.g. 2: MC_MMV_VARIANT=2 of patch 0003),
+# MC_SBS_MEASURE (logits,tg,verify1,verify12,batched), MC_ENGINE_ARGS (for bench/gpu/engine_gpu.py,
+# default --tasks 12), MC_SBS_WEIGHTS (q4_0 or q8_0 random model), MC_SBS_BACKEND (cpu: the same
+# flow without a GPU, to check this script).
 set -u
 DEADLINE=${1:-570}
 ROOT=$(pwd)
