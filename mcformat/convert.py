@@ -89,7 +89,7 @@ def transform(name: str, data: np.ndarray, cfg: dict) -> tuple[str, np.ndarray]:
     return name, data
 
 
-def _write_hparams(w: gguf.GGUFWriter, cfg: dict, file_type: gguf.LlamaFileType) -> None:
+def write_hparams(w: gguf.GGUFWriter, cfg: dict, file_type: gguf.LlamaFileType) -> None:
     rope = cfg.get("rope_parameters") or {}
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     sections = list(rope.get("mrope_section", [11, 11, 10]))
@@ -114,7 +114,7 @@ def _write_hparams(w: gguf.GGUFWriter, cfg: dict, file_type: gguf.LlamaFileType)
     w.add_file_type(file_type)
 
 
-def _write_tokenizer(w: gguf.GGUFWriter, folder: Path, n_vocab: int) -> None:
+def write_tokenizer(w: gguf.GGUFWriter, folder: Path, n_vocab: int) -> None:
     tok_path = folder / "tokenizer.json"
     if not tok_path.is_file():
         raise ConvertError(f"{folder}: no tokenizer.json")
@@ -176,8 +176,8 @@ def convert_checkpoint(folder: Path, out: Path, out_type: str = "bf16", name: st
     out.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(tmp, "qwen35")
     w.add_name(name or Path(folder).name)
-    _write_hparams(w, cfg, OUT_TYPES[out_type][1])
-    _write_tokenizer(w, Path(folder), cfg["vocab_size"])
+    write_hparams(w, cfg, OUT_TYPES[out_type][1])
+    write_tokenizer(w, Path(folder), cfg["vocab_size"])
     for hf_name in sorted(tensors):
         if hf_name.startswith("mtp."):
             continue  # the MTP head is converted by the speculative-decoding work

@@ -15,9 +15,7 @@ The file is written under a temp name and renamed when complete.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -25,8 +23,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from mcformat.convert import _write_hparams, _write_tokenizer
-from mcformat.tiny import CHAT_TEMPLATE, TINY_CONFIG, TOKENIZER_ASSET, _vocab_size
+from mcformat.convert import write_hparams, write_tokenizer
+from mcformat.tiny import TINY_CONFIG, vocab_size, write_tokenizer_files
 
 QT = gguf.GGMLQuantizationType
 PRESETS = {
@@ -43,7 +41,7 @@ PRESETS = {
         max_position_embeddings=262144,
         vocab_size=248320,
     ),
-    "tiny": dict(TINY_CONFIG, vocab_size=_vocab_size()),
+    "tiny": dict(TINY_CONFIG, vocab_size=vocab_size()),
 }
 WEIGHT_TYPES = {
     "q4_0": (QT.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
@@ -132,9 +130,7 @@ class _Blocks:
 
 
 def _vector(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
-    if kind == "norm":
-        return np.ones(n, dtype=np.float32)
-    if kind == "dt":
+    if kind in ("norm", "dt"):  # norms as stored (1 + w with w = 0), dt bias 1
         return np.ones(n, dtype=np.float32)
     if kind == "ssm_a":  # -exp(A_log), A_log in log(1..16), as the converter stores it
         return -rng.uniform(1.0, 16.0, n).astype(np.float32)
@@ -156,12 +152,10 @@ def write_random_model(out: Path, preset: str = "27b", weights: str = "q4_0", se
     out.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(tmp, "qwen35")
     w.add_name(f"random qwen35 {preset} {weights}")
-    _write_hparams(w, cfg, file_type)
+    write_hparams(w, cfg, file_type)
     with tempfile.TemporaryDirectory() as tok_dir:
-        shutil.copyfile(TOKENIZER_ASSET, Path(tok_dir) / "tokenizer.json")
-        tok_config = {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
-        (Path(tok_dir) / "tokenizer_config.json").write_text(json.dumps(tok_config))
-        _write_tokenizer(w, Path(tok_dir), cfg["vocab_size"])
+        write_tokenizer_files(Path(tok_dir))
+        write_tokenizer(w, Path(tok_dir), cfg["vocab_size"])
     # shapes and types first (the header), then the data tensor by tensor: nothing large is held
     for name, shape, kind in plan:
         if kind in ("matrix", "output"):

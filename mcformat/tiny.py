@@ -115,7 +115,7 @@ def _tokenizer_json(vocab: dict, merges: list[str], added: list[dict]) -> dict:
     }
 
 
-def _vocab_size() -> int:
+def vocab_size() -> int:
     data = json.loads(TOKENIZER_ASSET.read_text())
     return len(data["model"]["vocab"]) + len(data["added_tokens"])
 
@@ -172,13 +172,19 @@ def random_weights(config: dict, n_vocab: int, seed: int = 0) -> dict[str, np.nd
 
 def write_checkpoint(out_dir: Path, seed: int = 0) -> Path:
     """Write the tiny BF16 checkpoint folder; returns it. Same seed, same bytes."""
-    n_vocab = _vocab_size()
+    n_vocab = vocab_size()
     config = dict(TINY_CONFIG, vocab_size=n_vocab, eos_token_id=n_vocab - 1, pad_token_id=n_vocab - 3)
     weights = random_weights(config, n_vocab, seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {name: ("BF16", safetensors.f32_to_bf16(arr)) for name, arr in sorted(weights.items())}
     safetensors.write(out_dir / "model.safetensors", tensors, {"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer_files(out_dir)
+    return out_dir
+
+
+def write_tokenizer_files(out_dir: Path) -> None:
+    """The tiny tokenizer as Hugging Face files (tokenizer.json, tokenizer_config.json) in `out_dir`."""
     shutil.copyfile(TOKENIZER_ASSET, out_dir / "tokenizer.json")
     tok_config = {
         "chat_template": CHAT_TEMPLATE,
@@ -188,7 +194,6 @@ def write_checkpoint(out_dir: Path, seed: int = 0) -> Path:
         "add_bos_token": False,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
-    return out_dir
 
 
 def ensure_tiny_qwen35(folder: Path, seed: int = 0) -> Path:
