@@ -147,8 +147,9 @@ class SwapPool:
         return buf
 
     def _arena_take(self, size: int) -> np.ndarray | None:
-        """The smallest free range that holds `size` (4 KiB aligned), or None."""
-        size = -(-size // 4096) * 4096
+        """The smallest free range that holds `size` (4 KiB aligned, never empty: lent ranges are keyed
+        by their address), or None."""
+        size = max(4096, -(-size // 4096) * 4096)
         fits = [i for i, (_, n) in enumerate(self._arena_free) if n >= size]
         if not fits:
             return None

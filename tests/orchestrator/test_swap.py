@@ -156,3 +156,13 @@ def test_an_arena_state_still_obeys_the_ram_limit(tmp_path):
         buf, got = pool.take(key)
         assert got == n and (buf[:n] == fill).all()
         pool.release(buf)
+
+
+def test_an_empty_state_gets_its_own_arena_range():
+    pool = SwapPool(ram_limit_bytes=64 << 20, prealloc_bytes=8 << 20)
+    empty = pool.acquire(0)
+    full = pool.acquire(1 << 20)
+    assert empty.nbytes >= 4096 and not np.shares_memory(empty, full)
+    pool.release(empty)
+    pool.release(full)
+    assert pool._arena_free == [(0, 8 << 20)]
