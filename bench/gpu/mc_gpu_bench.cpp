@@ -4,7 +4,8 @@
 //
 //   mc_gpu_bench tg      MODEL DEPTHS N          single-stream decode at each depth (tokens before)
 //   mc_gpu_bench verify  MODEL DEPTH SEQS SIZES  one decode of SEQS sequences x k tokens, all logits
-//   mc_gpu_bench profile MODEL DEPTH STEPS       STEPS single-token decodes inside a profiler range
+//   mc_gpu_bench profile MODEL DEPTH STEPS [K]   STEPS decodes of K tokens (default 1; K > 1: all
+//                                                logits, a verify step) inside a profiler range
 //                                                (cudaProfilerStart/Stop; run under ncu
 //                                                --profile-from-start off)
 //   mc_gpu_bench logits  MODEL OUT.bin           fixed tokens, teacher-forced: the logits of a 64-token
@@ -212,15 +213,16 @@ int cmd_verify(int argc, char ** argv) {
 
 int cmd_profile(int argc, char ** argv) {
     if (argc < 5) {
-        fprintf(stderr, "usage: mc_gpu_bench profile MODEL DEPTH STEPS\n");
+        fprintf(stderr, "usage: mc_gpu_bench profile MODEL DEPTH STEPS [K]\n");
         return 2;
     }
     const int depth = atoi(argv[3]);
     const int steps = atoi(argv[4]);
-    Bench     b(argv[2], depth + steps + 64, 1, 1);
+    const int k     = argc > 5 ? std::max(1, atoi(argv[5])) : 1;
+    Bench     b(argv[2], depth + (steps + 8) * k + 64, 1, k);
     b.prefill(depth, 1);
     int pos = depth;
-    b.time_steps(1, 1, pos, false, 8, 0);  // warm-up: the CUDA graph is captured by now
+    b.time_steps(1, k, pos, k > 1, 8, 0);  // warm-up: the CUDA graph is captured by now
     // the CUDA runtime is already loaded by the backend: take its profiler switches from there
     using fn_t  = int (*)();
     void * rt   = dlopen("libcudart.so", RTLD_NOW | RTLD_NOLOAD);
@@ -237,11 +239,12 @@ int cmd_profile(int argc, char ** argv) {
     if (start) {
         start();
     }
-    const double ms = b.time_steps(1, 1, pos, false, 0, steps);
+    const double ms = b.time_steps(1, k, pos, k > 1, 0, steps);
     if (stop) {
         stop();
     }
-    printf("{\"kind\": \"profile\", \"depth\": %d, \"steps\": %d, \"median_ms\": %.4f}\n", depth, steps, ms);
+    printf("{\"kind\": \"profile\", \"depth\": %d, \"steps\": %d, \"k\": %d, \"median_ms\": %.4f}\n", depth, steps,
+           k, ms);
     return 0;
 }
 

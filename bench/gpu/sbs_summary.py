@@ -56,9 +56,9 @@ def build_figures(state: Path, build: str) -> dict:
         )
     if ops:
         f["test_backend_ops"] = ops
-    prof = state / f"{build}-profile.out"
-    if prof.exists():
-        f["profile"] = profile_summary(prof.read_text(errors="replace"))
+    for prof in sorted(state.glob(f"{build}-profile*.out")):  # -profile (1 token), -profile-k16 ...
+        key = "profile" + prof.stem[len(f"{build}-profile") :].replace("-", "_")
+        f[key] = profile_summary(prof.read_text(errors="replace"))
     return f
 
 
@@ -228,11 +228,10 @@ def print_table(res: dict) -> None:
         for k in ("verify_ms", "verify12_ms"):
             if res.get(f"{k}_{b}"):
                 print(f"{k} {b}: {res[f'{k}_{b}']}")
-        prof = res["builds"].get(b, {}).get("profile")
-        if prof:
-            print(
-                f"profile {b}: {prof['kernels']} kernels, {prof['kernel_time_us']} us of kernel time per step"
-            )
+        for key, prof in sorted(res["builds"].get(b, {}).items()):
+            if not key.startswith("profile") or not prof:
+                continue
+            print(f"{key} {b}: {prof['kernels']} kernels, {prof['kernel_time_us']} us of kernel time a step")
             for g in prof["by_kernel"][:12]:
                 print(f"   {g['us']:>9.1f} us {g['count']:>5}x  {g['share']:.3f}  {g['name']}")
         ops = res["builds"].get(b, {}).get("test_backend_ops")

@@ -25,6 +25,7 @@
 #
 # Settings (environment): MC_STATE (default /tmp/mcs), MC_CUDA_ARCH (default: this GPU's),
 # MC_SBS_BUILDS (stock,patched), MC_SBS_PROFILE (builds to profile with ncu, e.g. stock),
+# MC_SBS_PROFILE_K (tokens of the profiled step, a comma list, default 1; 16: a verify step),
 # MC_SBS_ENGINE (1: run the engine part), MC_SBS_OPS (ops checked by test-backend-ops),
 # MC_SBS_VARIANTS (kernel variants to measure too, e.g. 2: MC_MMV_VARIANT=2 of patch 0003),
 # MC_SBS_MEASURE (logits,tg,verify1,verify12,batched), MC_ENGINE_ARGS (for bench/gpu/engine_gpu.py,
@@ -44,6 +45,7 @@ WEIGHTS=${MC_SBS_WEIGHTS:-q4_0}  # the random model's weights: q4_0 or q8_0 (out
 MODEL=${MC_BENCH_MODEL:-$S/random-27b-$WEIGHTS.gguf}
 BUILDS=${MC_SBS_BUILDS:-stock,patched}
 PROFILE=${MC_SBS_PROFILE:-}
+MC_SBS_PROFILE_K=${MC_SBS_PROFILE_K:-1}
 OPS=${MC_SBS_OPS:-MUL_MAT,MUL_MAT_VEC_FUSION,GATED_DELTA_NET,SSM_CONV,RMS_NORM}
 MEASURE=,${MC_SBS_MEASURE:-logits,tg,verify1,verify12,batched},  # which measurements per build
 ENGINE_ARGS=${MC_ENGINE_ARGS:---tasks 12}
@@ -206,8 +208,11 @@ for B in ${BUILDS//,/ }; do
     done
   fi
   case ",$PROFILE," in *",$B,"*)
-    step "$B-profile" 200 ncu --clock-control none --cache-control none --profile-from-start off \
-      --metrics gpu__time_duration.sum --print-units base --csv --page raw "$S/$B/mc_gpu_bench" profile "$MODEL" 512 1 ;;
+    for K in ${MC_SBS_PROFILE_K//,/ }; do  # one decode step of K tokens (K > 1: a verify step)
+      name=$B-profile; [ "$K" = 1 ] || name=$B-profile-k$K
+      step "$name" 200 ncu --clock-control none --cache-control none --profile-from-start off \
+        --metrics gpu__time_duration.sum --print-units base --csv --page raw "$S/$B/mc_gpu_bench" profile "$MODEL" 512 1 "$K"
+    done ;;
   esac
   unset LD_LIBRARY_PATH
 done
