@@ -148,7 +148,7 @@ def main() -> None:
     times = st / "build-times.txt"
     if times.exists():
         res["build_times"] = dict(ln.split() for ln in times.read_text().splitlines() if ln.strip())
-    variants = sorted({p.name.split("-")[1] for p in st.glob("patched-v*-*.out")})
+    variants = sorted({p.name.split("-")[1] for p in st.glob("patched-v*-*.out")})  # patched-NAME-step
     builds = {b: build_figures(st, b) for b in ("stock", "patched", *[f"patched-{v}" for v in variants])}
     res["builds"] = builds
     for b, f in builds.items():
@@ -175,6 +175,8 @@ def main() -> None:
         f = builds[f"patched-{v}"]
         res[f"tg_tok_s_patched_{v}"] = f.get("tg_depth_0_tok_s")
         res[f"tg32k_tok_s_patched_{v}"] = f.get("tg_depth_32768_tok_s")
+        res[f"verify_ms_patched_{v}"] = f.get("verify1_ms")
+        res[f"agg_tok_s_12_patched_{v}"] = (f.get("agg_tok_s") or {}).get("12")
     eng = st / "engine.json"
     if eng.exists():
         e = json.loads(eng.read_text())
@@ -224,7 +226,7 @@ def print_table(res: dict) -> None:
         print(f"{key}: {res[key]}")
     if res.get("logits_patched_vs_stock"):
         print(f"logits patched vs stock: {res['logits_patched_vs_stock']}")
-    for b in ("stock", "patched"):
+    for b in res.get("builds", {}):
         for k in ("verify_ms", "verify12_ms"):
             if res.get(f"{k}_{b}"):
                 print(f"{k} {b}: {res[f'{k}_{b}']}")

@@ -27,7 +27,10 @@
 # MC_SBS_BUILDS (stock,patched), MC_SBS_PROFILE (builds to profile with ncu, e.g. stock),
 # MC_SBS_PROFILE_K (tokens of the profiled step, a comma list, default 1; 16: a verify step),
 # MC_SBS_ENGINE (1: run the engine part), MC_SBS_OPS (ops checked by test-backend-ops),
-# MC_SBS_VARIANTS (kernel variants to measure too, e.g. 2: MC_MMV_VARIANT=2 of patch 0003),
+# MC_SBS_VARIANTS (settings of the patched build to measure too, a comma list of NAME:VAR=VAL[+VAR=VAL]
+# with NAME starting with v, e.g. vnomma:MC_MMV_MMA_MIN_COLS=99; a bare number N means
+# vN:MC_MMV_VARIANT=N), MC_SBS_VARIANT_MEASURE (what to measure for each: logits,tg,verify1,ops;
+# also verify12, batched),
 # MC_SBS_MEASURE (logits,tg,verify1,verify12,batched), MC_ENGINE_ARGS (for bench/gpu/engine_gpu.py,
 # default --tasks 12), MC_SBS_WEIGHTS (q4_0 or q8_0 random model), MC_SBS_BACKEND (cpu: the same
 # flow without a GPU, to check this script).
@@ -195,16 +198,26 @@ for B in ${BUILDS//,/ }; do
       step "$B-ops-$op" 120 "$S/$B/test-backend-ops" test -b CUDA0 -o "$op"
     done
   fi
-  if [ "$B" = patched ] && [ -n "${MC_SBS_VARIANTS:-}" ]; then  # kernel variants (MC_MMV_VARIANT)
-    for v in ${MC_SBS_VARIANTS//,/ }; do
-      export MC_MMV_VARIANT=$v
-      want logits && step "$B-v$v-logits" 60 "$S/$B/mc_gpu_bench" logits "$MODEL" "$S/$B-v$v-logits.bin"
-      want tg && step "$B-v$v-tg" 150 "$S/$B/mc_gpu_bench" tg "$MODEL" 0,4096,32768 64
-      want verify1 && step "$B-v$v-verify1" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 1 1,2,4,8
-      [ "$BACKEND" = cuda ] && for op in MUL_MAT MUL_MAT_VEC_FUSION; do
-        step "$B-v$v-ops-$op" 120 "$S/$B/test-backend-ops" test -b CUDA0 -o "$op"
+  if [ "$B" = patched ] && [ -n "${MC_SBS_VARIANTS:-}" ]; then  # kernel variants: settings of the patched build
+    for item in ${MC_SBS_VARIANTS//,/ }; do
+      case "$item" in
+        *:*) v=${item%%:*} settings=${item#*:} ;;
+        *) v=v$item settings=MC_MMV_VARIANT=$item ;;  # a bare number: MC_MMV_VARIANT
+      esac
+      vmeasure=,${MC_SBS_VARIANT_MEASURE:-logits,tg,verify1,ops},
+      for kv in ${settings//+/ }; do export "${kv?}"; done
+      log "variant $v: $settings"
+      vwant() { case "$vmeasure" in *",$1,"*) return 0 ;; esac; return 1; }
+      vwant logits && step "$B-$v-logits" 60 "$S/$B/mc_gpu_bench" logits "$MODEL" "$S/$B-$v-logits.bin"
+      vwant tg && step "$B-$v-tg" 150 "$S/$B/mc_gpu_bench" tg "$MODEL" 0,4096,32768 64
+      vwant verify1 && step "$B-$v-verify1" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 1 1,2,4,8,12,16
+      vwant verify12 && step "$B-$v-verify12" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 12 1,2,4
+      vwant batched && step "$B-$v-batched" 150 "$S/$B/llama-batched-bench" -m "$MODEL" -c 16384 -b 2048 -ub 512 \
+        -npp 512 -ntg 128 -npl 1,2,4,8,12,16 -ngl 99 -fa on --output-format jsonl
+      [ "$BACKEND" = cuda ] && vwant ops && for op in MUL_MAT MUL_MAT_VEC_FUSION; do
+        step "$B-$v-ops-$op" 120 "$S/$B/test-backend-ops" test -b CUDA0 -o "$op"
       done
-      unset MC_MMV_VARIANT
+      for kv in ${settings//+/ }; do unset "${kv%%=*}"; done
     done
   fi
   case ",$PROFILE," in *",$B,"*)

@@ -42,20 +42,25 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     # ptxas reports each kernel: its name, then stack/spill figures, then registers
     report = out.stderr
     kernels = re.findall(r"Compiling entry function '(_Z\d+mc_mmv_q4_0\w+)'", report)
-    # variant 1: 1..16 columns and the fused gate for one column; variant 2 (persistent): 1, 2, gate
-    assert len(kernels) == 20, kernels
-    assert sum("persistent" in k for k in kernels) == 3
+    # the dp4a kernel: 1..16 columns and the fused gate for one column
+    assert len(kernels) == 17, kernels
+    # the tensor-core kernel: one and two tiles of 8 columns
+    mma = re.findall(r"Compiling entry function '(_Z\d+mc_mmq_q4_0\w+)'", report)
+    assert len(mma) == 2, mma
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), spills
 
 
 def test_the_dispatch_reaches_the_kernel(patched):
     """Both entry points route to ggml_cuda_mc_mmv: the mmvq path (1..8 columns, fused gate) and the
-    general mul_mat path (up to 16 columns, before mul_mat_q)."""
+    general mul_mat path (up to 16 columns, before mul_mat_q); from MC_MMV_DEFAULT_MMA_MIN_COLS
+    columns on it launches the tensor-core kernel."""
     mmvq = (patched / "ggml/src/ggml-cuda/mmvq.cu").read_text()
     main = (patched / "ggml/src/ggml-cuda/ggml-cuda.cu").read_text()
     assert "ggml_cuda_mc_mmv(ctx, src0, src1, dst, fusion)" in mmvq
     at = main.index("ggml_cuda_mc_mmv(ctx, src0, src1, dst, nullptr)")
     assert at < main.index("ggml_cuda_mul_mat_q(ctx, src0, src1, nullptr, dst);", at)
+    mc = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
+    assert "ncols >= mc_mmq_min_cols()" in mc
     tests = (patched / "tests/test-backend-ops.cpp").read_text()
     assert "MegaCapybara mc-mmv.cu" in tests
