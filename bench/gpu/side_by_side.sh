@@ -31,7 +31,8 @@
 # with NAME starting with v, e.g. vnomma:MC_MMV_MMA_MIN_COLS=99; a bare number N means
 # vN:MC_MMV_VARIANT=N), MC_SBS_VARIANT_MEASURE (what to measure for each: logits,tg,verify1,ops;
 # also verify12, batched),
-# MC_SBS_MEASURE (logits,tg,verify1,verify12,batched), MC_ENGINE_ARGS (for bench/gpu/engine_gpu.py,
+# MC_SBS_MEASURE (logits,tg,verify1,verify12,batched), MC_SBS_ENGINE_NEED (seconds the engine part
+# must have left to start, default 240), MC_ENGINE_ARGS (for bench/gpu/engine_gpu.py,
 # default --tasks 12), MC_SBS_WEIGHTS (q4_0 or q8_0 random model), MC_SBS_BACKEND (cpu: the same
 # flow without a GPU, to check this script).
 set -u
@@ -233,7 +234,7 @@ done
 # ---- MegaCapybara's engine on the patched build ----
 if [ "${MC_SBS_ENGINE:-1}" = 1 ] && [ ! -f "$S/engine.done" ]; then
   SRCROOT=$(ls -d "$S"/src/*/ | head -1)
-  if [ "$(left)" -lt 240 ]; then log "not enough time for the engine; call again"; exit 3; fi
+  if [ "$(left)" -lt "${MC_SBS_ENGINE_NEED:-240}" ]; then log "not enough time for the engine; call again"; exit 3; fi
   export LLAMA_CPP_LIB_PATH=$S/patched LD_LIBRARY_PATH=$S/patched PYTHONPATH=$SRCROOT:$ROOT
   # the libstdc++ check: numpy and torch loaded before llama.cpp, then a model load (it crashed in
   # llama_model::print_info when libggml-cuda.so exported its own libstdc++ copy)
