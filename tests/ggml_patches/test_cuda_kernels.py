@@ -44,9 +44,11 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     kernels = re.findall(r"Compiling entry function '(_Z\d+mc_mmv_q4_0\w+)'", report)
     # the dp4a kernel: 1..16 columns and the fused gate for one column
     assert len(kernels) == 17, kernels
-    # the tensor-core kernel: one and two tiles of 8 columns
+    # the tensor-core kernel: one and two tiles of 8 columns, rows split over warps (the default,
+    # stages of 8 blocks) or K split over warps (MC_MMQ_VARIANT=wk, stages of 16 blocks)
     mma = re.findall(r"Compiling entry function '(_Z\d+mc_mmq_q4_0\w+)'", report)
-    assert len(mma) == 2, mma
+    assert len(mma) == 4, mma
+    assert sum("Li16ELb1E" in k for k in mma) == 2, mma
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), spills
 
