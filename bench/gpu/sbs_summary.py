@@ -56,6 +56,10 @@ def build_figures(state: Path, build: str) -> dict:
         )
     if ops:
         f["test_backend_ops"] = ops
+    for kd in sorted(state.glob(f"{build}-kdetail*.out")):  # ncu sections, under each setting
+        f["kdetail" + kd.stem[len(f"{build}-kdetail") :].replace("-", "_")] = kdetail_summary(
+            kd.read_text(errors="replace")
+        )
     for prof in sorted(state.glob(f"{build}-profile*.out")):  # -profile (1 token), -profile-k16 ...
         key = "profile" + prof.stem[len(f"{build}-profile") :].replace("-", "_")
         f[key] = profile_summary(prof.read_text(errors="replace"))
@@ -94,6 +98,48 @@ def profile_summary(text: str) -> dict:
             }
             for k, v in top[:25]
         ],
+    }
+
+
+KDETAIL_SHOWN = (
+    "Duration",
+    "Memory Throughput",
+    "DRAM Throughput",
+    "Compute (SM) Throughput",
+    "Achieved Occupancy",
+    "Warp Cycles Per Issued Instruction",
+    "Issue Slots Busy",
+    "Registers Per Thread",
+)
+
+
+def kdetail_summary(text: str) -> dict:
+    """ncu --csv --page details (sections): per kernel (name with its template arguments), the mean of
+    every numeric metric over the profiled launches, with its unit; `launches` counts them."""
+    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
+    if not lines:
+        return {}
+    sums: dict[str, dict[str, list]] = defaultdict(dict)
+    launches: dict[str, set] = defaultdict(set)
+    for r in csv.DictReader(io.StringIO("\n".join(lines))):
+        name = re.sub(r"\(.*", "", r.get("Kernel Name") or "?").strip()
+        metric = r.get("Metric Name")
+        try:
+            value = float((r.get("Metric Value") or "").replace(",", ""))
+        except ValueError:
+            continue
+        if not metric:
+            continue
+        launches[name].add(r.get("ID"))
+        entry = sums[name].setdefault(metric, [0.0, 0, r.get("Metric Unit") or ""])
+        entry[0] += value
+        entry[1] += 1
+    return {
+        name: {
+            "launches": len(launches[name]),
+            "metrics": {m: {"mean": round(v[0] / v[1], 4), "unit": v[2]} for m, v in sorted(ms.items())},
+        }
+        for name, ms in sums.items()
     }
 
 
@@ -236,6 +282,16 @@ def print_table(res: dict) -> None:
             print(f"{key} {b}: {prof['kernels']} kernels, {prof['kernel_time_us']} us of kernel time a step")
             for g in prof["by_kernel"][:12]:
                 print(f"   {g['us']:>9.1f} us {g['count']:>5}x  {g['share']:.3f}  {g['name']}")
+        for key, kd in sorted(res["builds"].get(b, {}).items()):
+            if not key.startswith("kdetail"):
+                continue
+            for name, k in kd.items():
+                shown = ", ".join(
+                    f"{m} {k['metrics'][m]['mean']:g} {k['metrics'][m]['unit']}".rstrip()
+                    for m in KDETAIL_SHOWN
+                    if m in k["metrics"]
+                )
+                print(f"{key} {b}: {name} ({k['launches']} launches): {shown}")
         ops = res["builds"].get(b, {}).get("test_backend_ops")
         if ops:
             print(f"test-backend-ops {b}: {ops}")

@@ -1,0 +1,109 @@
+"""bench/gpu/sbs_summary.py turns a side-by-side state folder into the results JSON: run on a folder
+shaped like the GPU script's (mc_gpu_bench JSON lines, llama-batched-bench jsonl, test-backend-ops
+text, ncu's raw and details CSV), it fills the issue's keys and the per-kernel figures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu" / "sbs_summary.py"
+
+RAW_HEADER = (
+    '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","gpu__time_duration.sum"'
+)
+DETAIL_HEADER = (
+    '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
+    '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"'
+)
+
+
+def raw_row(i: int, name: str, ns: str) -> str:
+    return f'"{i}","1","b","h","{name}","1","7","{ns}"'
+
+
+def detail_row(i: int, name: str, metric: str, unit: str, value: str) -> str:
+    launch = f'"{i}","1","b","h","{name}","1","7","(128, 1, 1)","(80, 3, 1)","0","9.0"'
+    return f'{launch},"S","{metric}","{unit}","{value}"'
+
+
+def verify_lines(ms: dict[int, float]) -> str:
+    rows = [{"kind": "verify", "depth": 512, "seqs": 1, "k": k, "median_ms": v} for k, v in ms.items()]
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def make_state(st: Path) -> None:
+    (st / "bandwidth.out").write_text(
+        json.dumps({"kind": "bandwidth", "copy_bw_tb_s": 4.0, "pinned_h2d_gb_s": 50.0, "gpu": "GPU X"}) + "\n"
+    )
+    (st / "model-bytes.txt").write_text("16000000000\n")
+    (st / "env.txt").write_text("2026-11-29T00:00:00Z\ncommit 0123abcd\n")
+    for build, tok_s in (("stock", 100.0), ("patched", 120.0)):
+        tg = [
+            {"kind": "tg", "depth": d, "n": 64, "median_ms": 1000 / tok_s, "tok_s": tok_s}
+            for d in (0, 4096, 32768)
+        ]
+        (st / f"{build}-tg.out").write_text("".join(json.dumps(r) + "\n" for r in tg))
+        batched = [{"pl": 12, "speed_tg": 4.4 * tok_s}, {"pl": 1, "speed_tg": tok_s}]
+        (st / f"{build}-batched.err").write_text("".join(json.dumps(r) + "\n" for r in batched))
+    (st / "stock-verify1.out").write_text(verify_lines({1: 10.0, 16: 24.0}))
+    (st / "patched-verify1.out").write_text(verify_lines({1: 8.0, 16: 16.0}))
+    (st / "patched-ops-MUL_MAT.out").write_text("  1343/1343 tests passed\n  Backend CUDA0: OK\n")
+    (st / "stock-profile-k16.out").write_text(
+        "==PROF== noise\n"
+        + "\n".join(
+            [
+                RAW_HEADER,
+                raw_row(0, "", "nsecond"),
+                raw_row(1, "void mul_mat_q<(ggml_type)2, 16>(int)", "3,000"),
+                raw_row(2, "void mul_mat_q<(ggml_type)2, 16>(int)", "1,000"),
+                raw_row(3, "void rms_norm_f32<1024>(float)", "1000"),
+            ]
+        )
+        + "\n"
+    )
+    name = "void mc_mmq_q4_0<2, 8, false>(const char *, int)"
+    (st / "patched-kdetail.out").write_text(
+        "\n".join(
+            [
+                DETAIL_HEADER,
+                detail_row(5, name, "Duration", "us", "30.0"),
+                detail_row(5, name, "Memory Throughput", "%", "20"),
+                detail_row(6, name, "Duration", "us", "40.0"),
+                detail_row(6, name, "Memory Throughput", "%", "30"),
+                detail_row(6, name, "Block Limit Registers", "block", "n/a"),
+            ]
+        )
+        + "\n"
+    )
+
+
+def test_summary_fills_the_issue_keys_and_the_kernel_figures(tmp_path):
+    st = tmp_path / "state"
+    st.mkdir()
+    make_state(st)
+    out = tmp_path / "summary.json"
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), str(st), "--out", str(out)], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+    res = json.loads(out.read_text())
+    assert res["gpu"] == "GPU X" and res["commit"] == "0123abcd"
+    assert res["ceiling_tok_s"] == 250.0  # 4.0 TB/s over 16 GB
+    assert res["tg_tok_s_stock"] == 100.0 and res["tg_tok_s_patched"] == 120.0
+    assert res["patched_over_stock"]["tg_tok_s"] == 1.2
+    assert res["agg_tok_s_12_patched"] == 528.0
+    assert res["verify16_over_1_stock"] == 2.4 and res["verify16_over_1_patched"] == 2.0
+    assert res["builds"]["patched"]["test_backend_ops"] == {"MUL_MAT": {"passed": 1343, "total": 1343}}
+    prof = res["builds"]["stock"]["profile_k16"]
+    assert prof["kernels"] == 3 and prof["kernel_time_us"] == 5.0
+    assert prof["by_kernel"][0] == {"name": "void mul_mat_q", "count": 2, "us": 4.0, "share": 0.8}
+    kd = res["builds"]["patched"]["kdetail"]["void mc_mmq_q4_0<2, 8, false>"]
+    assert kd["launches"] == 2
+    assert kd["metrics"]["Duration"] == {"mean": 35.0, "unit": "us"}
+    assert kd["metrics"]["Memory Throughput"]["mean"] == 25.0
+    assert "Block Limit Registers" not in kd["metrics"]  # not a number
+    assert "mc_mmq_q4_0<2, 8, false> (2 launches): Duration 35 us, Memory Throughput 25 %" in run.stdout
