@@ -221,8 +221,6 @@ def main() -> None:
         f = builds[f"patched-{v}"]
         res[f"tg_tok_s_patched_{v}"] = f.get("tg_depth_0_tok_s")
         res[f"tg32k_tok_s_patched_{v}"] = f.get("tg_depth_32768_tok_s")
-        res[f"verify_ms_patched_{v}"] = f.get("verify1_ms")
-        res[f"agg_tok_s_12_patched_{v}"] = (f.get("agg_tok_s") or {}).get("12")
     eng = st / "engine.json"
     if eng.exists():
         e = json.loads(eng.read_text())

@@ -189,7 +189,7 @@ step() {  # name, minimum seconds needed, command...
 [ "$BACKEND" = cuda ] && step bandwidth 60 python3 "$ROOT/bench/gpu/bandwidth.py"
 # one GPU: llama.cpp would split the model over every visible GPU
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
-want() { case "$MEASURE" in *",$1,"*) return 0 ;; esac; return 1; }
+want() { case "${2:-$MEASURE}" in *",$1,"*) return 0 ;; esac; return 1; }  # name [,list,]
 for B in ${BUILDS//,/ }; do
   export LD_LIBRARY_PATH=$S/$B
   want logits && step "$B-logits" 60 "$S/$B/mc_gpu_bench" logits "$MODEL" "$S/$B-logits.bin"
@@ -212,14 +212,13 @@ for B in ${BUILDS//,/ }; do
       vmeasure=,${MC_SBS_VARIANT_MEASURE:-logits,tg,verify1,ops},
       for kv in ${settings//+/ }; do export "${kv?}"; done
       log "variant $v: $settings"
-      vwant() { case "$vmeasure" in *",$1,"*) return 0 ;; esac; return 1; }
-      vwant logits && step "$B-$v-logits" 60 "$S/$B/mc_gpu_bench" logits "$MODEL" "$S/$B-$v-logits.bin"
-      vwant tg && step "$B-$v-tg" 150 "$S/$B/mc_gpu_bench" tg "$MODEL" 0,4096,32768 64
-      vwant verify1 && step "$B-$v-verify1" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 1 1,2,4,8,12,16
-      vwant verify12 && step "$B-$v-verify12" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 12 1,2,4
-      vwant batched && step "$B-$v-batched" 150 "$S/$B/llama-batched-bench" -m "$MODEL" -c 16384 -b 2048 -ub 512 \
+      want logits "$vmeasure" && step "$B-$v-logits" 60 "$S/$B/mc_gpu_bench" logits "$MODEL" "$S/$B-$v-logits.bin"
+      want tg "$vmeasure" && step "$B-$v-tg" 150 "$S/$B/mc_gpu_bench" tg "$MODEL" 0,4096,32768 64
+      want verify1 "$vmeasure" && step "$B-$v-verify1" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 1 1,2,4,8,12,16
+      want verify12 "$vmeasure" && step "$B-$v-verify12" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 12 1,2,4
+      want batched "$vmeasure" && step "$B-$v-batched" 150 "$S/$B/llama-batched-bench" -m "$MODEL" -c 16384 -b 2048 -ub 512 \
         -npp 512 -ntg 128 -npl 1,2,4,8,12,16 -ngl 99 -fa on --output-format jsonl
-      [ "$BACKEND" = cuda ] && vwant ops && for op in MUL_MAT MUL_MAT_VEC_FUSION; do
+      [ "$BACKEND" = cuda ] && want ops "$vmeasure" && for op in MUL_MAT MUL_MAT_VEC_FUSION; do
         step "$B-$v-ops-$op" 120 "$S/$B/test-backend-ops" test -b CUDA0 -o "$op"
       done
       for kv in ${settings//+/ }; do unset "${kv%%=*}"; done
