@@ -44,11 +44,15 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     kernels = re.findall(r"Compiling entry function '(_Z\d+mc_mmv_q4_0\w+)'", report)
     # the dp4a kernel: 1..16 columns and the fused gate for one column
     assert len(kernels) == 17, kernels
-    # the tensor-core kernel: one and two tiles of 8 columns, rows split over warps (the default,
-    # stages of 8 blocks) or K split over warps (MC_MMQ_VARIANT=wk, stages of 16 blocks)
+    # the int8 tensor-core kernel: one and two tiles of 8 columns, rows split over warps
+    # (MC_MMQ_VARIANT=rows, stages of 8 blocks) or K split over warps (wk, stages of 16 blocks)
     mma = re.findall(r"Compiling entry function '(_Z\d+mc_mmq_q4_0\w+)'", report)
     assert len(mma) == 4, mma
     assert sum("Li16ELb1E" in k for k in mma) == 2, mma
+    # the f16 form (the default): one and two tiles of 8 columns, and its activation converter
+    mmh = re.findall(r"Compiling entry function '(_Z\d+mc_mmh_\w+)'", report)
+    assert sum("mc_mmh_q4_0ILi1E" in k for k in mmh) == 1 and sum("mc_mmh_q4_0ILi2E" in k for k in mmh) == 1, mmh
+    assert sum("mc_mmh_convert_y" in k for k in mmh) == 1, mmh
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), spills
 
