@@ -131,7 +131,13 @@ def kdetail_summary(text: str) -> dict:
         if not metric:
             continue
         launches[name].add(r.get("ID"))
-        entry = sums[name].setdefault(metric, [0.0, 0, r.get("Metric Unit") or ""])
+        unit = r.get("Metric Unit") or ""
+        # one name in two sections with different units (Memory Throughput: % of peak in
+        # SpeedOfLight, byte/second in MemoryWorkloadAnalysis) stays two metrics
+        first = sums[name].get(metric)
+        if first is not None and first[2] != unit:
+            metric = f"{metric} ({unit})"
+        entry = sums[name].setdefault(metric, [0.0, 0, unit])
         entry[0] += value
         entry[1] += 1
     return {
@@ -141,6 +147,20 @@ def kdetail_summary(text: str) -> dict:
         }
         for name, ms in sums.items()
     }
+
+
+STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+?)_per_issue_active")
+
+
+def stall_reasons(metrics: dict) -> list:
+    """ncu's warp-state breakdown (smsp__average_warps_issue_stalled_<reason>_per_issue_active):
+    (reason, warps stalled on it per issued instruction), largest first."""
+    out = []
+    for m, v in metrics.items():
+        hit = STALL.match(m)
+        if hit:
+            out.append((hit.group(1), v["mean"]))
+    return sorted(out, key=lambda x: -x[1])
 
 
 def compare_logits(state: Path, build: str = "patched") -> dict | None:
@@ -290,6 +310,9 @@ def print_table(res: dict) -> None:
                     if m in k["metrics"]
                 )
                 print(f"{key} {b}: {name} ({k['launches']} launches): {shown}")
+                stalls = stall_reasons(k["metrics"])
+                if stalls:
+                    print("   stalls (warps per issue): " + ", ".join(f"{r} {v:g}" for r, v in stalls[:6]))
         ops = res["builds"].get(b, {}).get("test_backend_ops")
         if ops:
             print(f"test-backend-ops {b}: {ops}")

@@ -27,9 +27,10 @@
 # MC_SBS_BUILDS (stock,patched), MC_SBS_PROFILE (builds to profile with ncu, e.g. stock),
 # MC_SBS_PROFILE_K (tokens of the profiled step, a comma list, default 1; 16: a verify step),
 # MC_SBS_KDETAIL (a kernel-name regex, e.g. mc_mmq: ncu's speed-of-light, occupancy, warp-state and
-# memory sections of the first MC_SBS_KDETAIL_COUNT (24) matching launches in a step of
-# MC_SBS_KDETAIL_K (16) tokens, for each build; MC_SBS_KDETAIL_SETTINGS: a space list of VAR=VAL
-# settings to run it under too, "default" for none),
+# memory sections, and the warps stalled per issued instruction by reason, of the first
+# MC_SBS_KDETAIL_COUNT (24) matching launches in a step of MC_SBS_KDETAIL_K (16) tokens, for each
+# build; MC_SBS_KDETAIL_SETTINGS: a space list of VAR=VAL settings to run it under too, "default"
+# for none),
 # MC_SBS_ENGINE (1: run the engine part), MC_SBS_OPS (ops checked by test-backend-ops),
 # MC_SBS_VARIANTS (settings of the patched build to measure too, a comma list of NAME:VAR=VAL[+VAR=VAL]
 # with NAME starting with v, e.g. vnomma:MC_MMV_MMA_MIN_COLS=99; a bare number N means
@@ -231,7 +232,8 @@ for B in ${BUILDS//,/ }; do
       step "$kname" 200 env "${kenv[@]}" ncu --clock-control none --profile-from-start off \
         --kernel-name "regex:$MC_SBS_KDETAIL" --launch-count "${MC_SBS_KDETAIL_COUNT:-24}" \
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
-        --section ComputeWorkloadAnalysis --section LaunchStats --csv --page details \
+        --section ComputeWorkloadAnalysis --section LaunchStats \
+        --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' --csv --page details \
         "$S/$B/mc_gpu_bench" profile "$MODEL" 512 1 "${MC_SBS_KDETAIL_K:-16}"
     done
   fi

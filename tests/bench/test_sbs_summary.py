@@ -75,10 +75,24 @@ def make_state(st: Path) -> None:
                 detail_row(6, name, "Duration", "us", "40.0"),
                 detail_row(6, name, "Memory Throughput", "%", "30"),
                 detail_row(6, name, "Block Limit Registers", "block", "n/a"),
+                detail_row(6, name, "Memory Throughput", "byte/second", "5e+11"),
+                detail_row(
+                    5, name, "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio", "", "1.5"
+                ),
+                detail_row(
+                    5,
+                    name,
+                    "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+                    "",
+                    "0.5",
+                ),
             ]
         )
         + "\n"
     )
+
+
+STALLED = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
 
 
 def test_summary_fills_the_issue_keys_and_the_kernel_figures(tmp_path):
@@ -106,4 +120,7 @@ def test_summary_fills_the_issue_keys_and_the_kernel_figures(tmp_path):
     assert kd["metrics"]["Duration"] == {"mean": 35.0, "unit": "us"}
     assert kd["metrics"]["Memory Throughput"]["mean"] == 25.0
     assert "Block Limit Registers" not in kd["metrics"]  # not a number
+    # the same name in another unit is kept apart (ncu's MemoryWorkloadAnalysis section)
+    assert kd["metrics"]["Memory Throughput (byte/second)"] == {"mean": 5e11, "unit": "byte/second"}
+    assert "stalls (warps per issue): barrier 1.5, long_scoreboard 0.5" in run.stdout
     assert "mc_mmq_q4_0<2, 8, false> (2 launches): Duration 35 us, Memory Throughput 25 %" in run.stdout

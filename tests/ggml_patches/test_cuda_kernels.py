@@ -51,7 +51,9 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     assert sum("Li16ELb1E" in k for k in mma) == 2, mma
     # the f16 form (the default): one and two tiles of 8 columns, and its activation converter
     mmh = re.findall(r"Compiling entry function '(_Z\d+mc_mmh_\w+)'", report)
-    assert sum("mc_mmh_q4_0ILi1E" in k for k in mmh) == 1 and sum("mc_mmh_q4_0ILi2E" in k for k in mmh) == 1, mmh
+    assert (
+        sum("mc_mmh_q4_0ILi1E" in k for k in mmh) == 1 and sum("mc_mmh_q4_0ILi2E" in k for k in mmh) == 1
+    ), mmh
     assert sum("mc_mmh_convert_y" in k for k in mmh) == 1, mmh
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), spills
