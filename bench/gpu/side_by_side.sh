@@ -229,7 +229,7 @@ for B in ${BUILDS//,/ }; do
     for item in ${MC_SBS_KDETAIL_SETTINGS:-default}; do  # e.g. "default MC_MMQ_VARIANT=wk"
       kname=$B-kdetail; kenv=()
       [ "$item" = default ] || { kname=$B-kdetail-${item//[^A-Za-z0-9]/_}; kenv=("$item"); }
-      step "$kname" 200 env "${kenv[@]}" ncu --clock-control none --profile-from-start off \
+      step "$kname" 90 env "${kenv[@]}" ncu --clock-control none --profile-from-start off \
         --kernel-name "regex:$MC_SBS_KDETAIL" --launch-count "${MC_SBS_KDETAIL_COUNT:-24}" \
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
         --section ComputeWorkloadAnalysis --section LaunchStats \
@@ -240,7 +240,7 @@ for B in ${BUILDS//,/ }; do
   case ",$PROFILE," in *",$B,"*)
     for K in ${MC_SBS_PROFILE_K//,/ }; do  # one decode step of K tokens (K > 1: a verify step)
       name=$B-profile; [ "$K" = 1 ] || name=$B-profile-k$K
-      step "$name" 200 ncu --clock-control none --cache-control none --profile-from-start off \
+      step "$name" 90 ncu --clock-control none --cache-control none --profile-from-start off \
         --metrics gpu__time_duration.sum --print-units base --csv --page raw "$S/$B/mc_gpu_bench" profile "$MODEL" 512 1 "$K"
     done ;;
   esac
