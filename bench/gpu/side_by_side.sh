@@ -26,11 +26,12 @@
 # Settings (environment): MC_STATE (default /tmp/mcs), MC_CUDA_ARCH (default: this GPU's),
 # MC_SBS_BUILDS (stock,patched), MC_SBS_PROFILE (builds to profile with ncu, e.g. stock),
 # MC_SBS_PROFILE_K (tokens of the profiled step, a comma list, default 1; 16: a verify step),
-# MC_SBS_KDETAIL (a kernel-name regex, e.g. mc_mmq: ncu's speed-of-light, occupancy, warp-state and
-# memory sections, and the warps stalled per issued instruction by reason, of the first
-# MC_SBS_KDETAIL_COUNT (24) matching launches in a step of MC_SBS_KDETAIL_K (16) tokens, for each
-# build; MC_SBS_KDETAIL_SETTINGS: a space list of VAR=VAL settings to run it under too, "default"
-# for none),
+# MC_SBS_KDETAIL (a kernel-name regex, e.g. mc_mmq: ncu's speed-of-light, occupancy, warp-state,
+# memory and instruction-statistics sections, and the warps stalled per issued instruction by
+# reason, of the first MC_SBS_KDETAIL_COUNT (24) matching launches in a step of MC_SBS_KDETAIL_K
+# (16) tokens, for each build in MC_SBS_KDETAIL_BUILDS (default patched); MC_SBS_KDETAIL_SETTINGS:
+# a space list of VAR=VAL settings to run it under too, "default" for none); the patched build's
+# mc-mmv.cu SASS (cuobjdump, where the machine has it),
 # MC_SBS_ENGINE (1: run the engine part), MC_SBS_OPS (ops checked by test-backend-ops),
 # MC_SBS_VARIANTS (settings of the patched build to measure too, a comma list of NAME:VAR=VAL[+VAR=VAL]
 # with NAME starting with v, e.g. vnomma:MC_MMV_MMA_MIN_COLS=99; a bare number N means
@@ -200,6 +201,9 @@ for B in ${BUILDS//,/ }; do
   want batched && step "$B-batched" 150 "$S/$B/llama-batched-bench" -m "$MODEL" -c 16384 -b 2048 -ub 512 \
     -npp 512 -ntg 128 -npl 1,2,4,8,12,16 -ngl 99 -fa on --output-format jsonl
   if [ "$B" = patched ] && [ "$BACKEND" = cuda ]; then
+    # the patched kernels' machine code (SASS), for reading instruction counts per byte offline
+    MCOBJ=$(find "$S/build" -name 'mc-mmv.cu.o' 2>/dev/null | head -1)
+    [ -n "$MCOBJ" ] && command -v cuobjdump > /dev/null && step "$B-sass" 30 cuobjdump -sass "$MCOBJ"
     for op in ${OPS//,/ }; do
       step "$B-ops-$op" 120 "$S/$B/test-backend-ops" test -b CUDA0 -o "$op"
     done
@@ -225,14 +229,14 @@ for B in ${BUILDS//,/ }; do
       for kv in ${settings//+/ }; do unset "${kv%%=*}"; done
     done
   fi
-  if [ -n "${MC_SBS_KDETAIL:-}" ] && [ "$BACKEND" = cuda ]; then  # ncu sections of the matching kernels
+  if [ -n "${MC_SBS_KDETAIL:-}" ] && [ "$BACKEND" = cuda ] && want "$B" ",${MC_SBS_KDETAIL_BUILDS:-patched},"; then
     for item in ${MC_SBS_KDETAIL_SETTINGS:-default}; do  # e.g. "default MC_MMQ_VARIANT=wk"
       kname=$B-kdetail; kenv=()
       [ "$item" = default ] || { kname=$B-kdetail-${item//[^A-Za-z0-9]/_}; kenv=("$item"); }
       step "$kname" 90 env "${kenv[@]}" ncu --clock-control none --profile-from-start off \
         --kernel-name "regex:$MC_SBS_KDETAIL" --launch-count "${MC_SBS_KDETAIL_COUNT:-24}" \
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
-        --section ComputeWorkloadAnalysis --section LaunchStats \
+        --section ComputeWorkloadAnalysis --section LaunchStats --section InstructionStats \
         --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' --csv --page details \
         "$S/$B/mc_gpu_bench" profile "$MODEL" 512 1 "${MC_SBS_KDETAIL_K:-16}"
     done
