@@ -49,17 +49,19 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     mma = re.findall(r"Compiling entry function '(_Z\d+mc_mmq_q4_0\w+)'", report)
     assert len(mma) == 4, mma
     assert sum("Li16ELb1E" in k for k in mma) == 2, mma
-    # the f16 forms: one and two tiles of 8 columns x (4 stages, 3 blocks per SM: the default;
-    # 2 stages, 5 blocks: f16o; 4 stages, 4 blocks, B fragments straight from global memory: f16d),
-    # and the activation converter
-    mmh = re.findall(r"Compiling entry function '_Z\d+mc_mmh_q4_0ILi(\d)ELi(\d)ELi(\d)ELb(\d)E\w+'", report)
+    # the f16 forms: one and two tiles of 8 columns x (4 stages, 3 blocks per SM: the default; the
+    # same with the L2 prefetch of 4 chunks: f16p; 4 stages, 4 blocks, B fragments straight from
+    # global memory: f16d), and the activation converter
+    mmh = re.findall(
+        r"Compiling entry function '_Z\d+mc_mmh_q4_0ILi(\d)ELi(\d)ELi(\d)ELb(\d)ELi(\d)E\w+'", report
+    )
     assert sorted(mmh) == [
-        ("1", "2", "5", "0"),
-        ("1", "4", "3", "0"),
-        ("1", "4", "4", "1"),
-        ("2", "2", "5", "0"),
-        ("2", "4", "3", "0"),
-        ("2", "4", "4", "1"),
+        ("1", "4", "3", "0", "0"),
+        ("1", "4", "3", "0", "4"),
+        ("1", "4", "4", "1", "0"),
+        ("2", "4", "3", "0", "0"),
+        ("2", "4", "3", "0", "4"),
+        ("2", "4", "4", "1", "0"),
     ], mmh
     assert report.count("Compiling entry function '_Z16mc_mmh_convert_y") == 1
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
