@@ -13,3 +13,9 @@ inline const char * cublasGetStatusString(cublasStatus_t) { return ""; }
 inline cublasStatus_t cublasCreate(cublasHandle_t *) { return CUBLAS_STATUS_SUCCESS; }
 inline cublasStatus_t cublasSetMathMode(cublasHandle_t, cublasMath_t) { return CUBLAS_STATUS_SUCCESS; }
 inline cublasStatus_t cublasSetStream(cublasHandle_t, cudaStream_t) { return CUBLAS_STATUS_SUCCESS; }
+// named by ggml-cuda.cu itself (its compile check)
+template <typename... A> inline cublasStatus_t cublasDestroy(A...) { return CUBLAS_STATUS_SUCCESS; }
+template <typename... A> inline cublasStatus_t cublasSgemm(A...) { return CUBLAS_STATUS_SUCCESS; }
+template <typename... A> inline cublasStatus_t cublasGemmBatchedEx(A...) { return CUBLAS_STATUS_SUCCESS; }
+template <typename... A> inline cublasStatus_t cublasGemmEx(A...) { return CUBLAS_STATUS_SUCCESS; }
+template <typename... A> inline cublasStatus_t cublasGemmStridedBatchedEx(A...) { return CUBLAS_STATUS_SUCCESS; }
