@@ -69,7 +69,9 @@ if [ "$BACKEND" = cuda ]; then
 else
   ARCH=native BACKEND_ARGS="-DGGML_NATIVE=ON"
 fi
-TARGETS="llama ggml llama-bench llama-batched-bench test-backend-ops"
+# test-backend-ops only for the patched build (the series changes it; only the patched one runs it)
+TARGETS_STOCK="llama ggml llama-batched-bench"
+TARGETS="$TARGETS_STOCK test-backend-ops"
 
 log() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$S/steps.log"; }
 left() { echo $((DEADLINE - SECONDS)); }
@@ -123,12 +125,13 @@ cmake -S \$L -B $S/build -G Ninja $BACKEND_ARGS -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL \
   -DMC_PATCH_SERIES_HASH=$HASH -DMC_BUILD_BACKEND=$BACKEND -DMC_BUILD_ARCH=$ARCH -DMC_PACKAGE_VERSION=0.3.36 || exit 1
 stage() {  # copy the build's programs and libraries to \$1, and build the measuring program there
-  cp -f $S/build/bin/*.so* $S/build/bin/llama-bench $S/build/bin/llama-batched-bench $S/build/bin/test-backend-ops \$1/ &&
+  cp -f $S/build/bin/*.so* $S/build/bin/llama-batched-bench \$1/ &&
+  { [ ! -f $S/build/bin/test-backend-ops ] || cp -f $S/build/bin/test-backend-ops \$1/; } &&
   g++ -O2 -std=c++17 -I\$L/include -I\$L/ggml/include $S/mc_gpu_bench.cpp -L\$1 -lllama -lggml -lggml-base -ldl \
     -Wl,-rpath-link,\$1 -Wl,-rpath,'\$\$ORIGIN' -o \$1/mc_gpu_bench
 }
 if [ ! -f $S/stock.done ]; then
-  cmake --build $S/build -j \$(nproc) --target $TARGETS || exit 1
+  cmake --build $S/build -j \$(nproc) --target $TARGETS_STOCK || exit 1
   stage $S/stock || exit 1
   echo "stock_build_s \$((\$(date +%s) - t0))" > $S/build-times.txt
   touch $S/stock.done
