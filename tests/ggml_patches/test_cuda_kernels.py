@@ -24,8 +24,10 @@ def patched(build_script, tmp_path_factory):
     return src / "vendor" / "llama.cpp"
 
 
-@pytest.mark.parametrize("arch", ["90", "120"])
-def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
+def compile_cuda(
+    patched: Path, name: str, arch: str, out_dir: Path, *flags: str
+) -> subprocess.CompletedProcess[str]:
+    """nvcc -c of the patched tree's ggml-cuda/NAME for sm_ARCH (skips where nvcc is missing)."""
     nvcc = shutil.which("nvcc") or (
         "/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None
     )
@@ -33,11 +35,16 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
         pytest.skip("nvcc is not installed")
     cuda = patched / "ggml" / "src" / "ggml-cuda"
     cmd = [
-        nvcc, "-std=c++17", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v",
+        nvcc, "-std=c++17", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", *flags,
         f"-I{STUB}", f"-I{patched / 'ggml' / 'include'}", f"-I{patched / 'ggml' / 'src'}", f"-I{cuda}",
-        "-c", str(cuda / "mc-mmv.cu"), "-o", str(tmp_path / "mc-mmv.o"),
+        "-c", str(cuda / name), "-o", str(out_dir / (name + ".o")),
     ]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("arch", ["90", "120"])
+def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
+    out = compile_cuda(patched, "mc-mmv.cu", arch, tmp_path, "-Xptxas", "-v")
     assert out.returncode == 0, out.stderr[-3000:]
     # ptxas reports each kernel: its name, then stack/spill figures, then registers
     report = out.stderr
@@ -72,20 +79,9 @@ def test_the_patched_ggml_cuda_compiles(patched, tmp_path):
     """ggml-cuda.cu with the series' hunks (the mc-mmv dispatch before mul_mat_q, the f16 activation
     cache's scope around the graph evaluation) compiles for sm_90, ~20 s here; mmvq.cu's six-line
     hook is left to the GPU build (90 s here)."""
-    nvcc = shutil.which("nvcc") or (
-        "/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None
-    )
-    if nvcc is None:
-        pytest.skip("nvcc is not installed")
-    cuda = patched / "ggml" / "src" / "ggml-cuda"
-    cmd = [
-        nvcc, "-std=c++17", "-O3", "-gencode=arch=compute_90,code=sm_90",
-        f"-I{STUB}", f"-I{patched / 'ggml' / 'include'}", f"-I{patched / 'ggml' / 'src'}", f"-I{cuda}",
-        "-c", str(cuda / "ggml-cuda.cu"), "-o", str(tmp_path / "ggml-cuda.o"),
-    ]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    out = compile_cuda(patched, "ggml-cuda.cu", "90", tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    main = (cuda / "ggml-cuda.cu").read_text()
+    main = (patched / "ggml" / "src" / "ggml-cuda" / "ggml-cuda.cu").read_text()
     scope = main.index("ggml_cuda_mc_ycache_begin(")
     assert scope < main.index("ggml_cuda_graph_evaluate_and_capture(cuda_ctx, cgraph", scope)
     assert main.index("ggml_cuda_mc_ycache_end();", scope) > scope
