@@ -21,7 +21,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from sass_summary import summary as sass_summary  # beside this file, on the path of a script run
+
 ROOT = Path(__file__).resolve().parents[2]
+SASS_KERNELS = r"mc_mmh_q4_0|mc_mmq_q4_0|mc_mmv_q4_0ILi1E"  # the tensor-core forms and the decode kernel
 
 
 def json_lines(path: Path) -> list[dict]:
@@ -63,6 +66,9 @@ def build_figures(state: Path, build: str) -> dict:
     for prof in sorted(state.glob(f"{build}-profile*.out")):  # -profile (1 token), -profile-k16 ...
         key = "profile" + prof.stem[len(f"{build}-profile") :].replace("-", "_")
         f[key] = profile_summary(prof.read_text(errors="replace"))
+    sass = state / f"{build}-sass.out"  # cuobjdump -sass of mc-mmv.cu
+    if sass.exists():  # the instructions of each kernel's widest loop
+        f["sass"] = sass_summary(sass.read_text(errors="replace"), SASS_KERNELS)
     return f
 
 
@@ -313,6 +319,11 @@ def print_table(res: dict) -> None:
                 stalls = stall_reasons(k["metrics"])
                 if stalls:
                     print("   stalls (warps per issue): " + ", ".join(f"{r} {v:g}" for r, v in stalls[:6]))
+        for name, k in res["builds"].get(b, {}).get("sass", {}).items():
+            if k["loop"] and "mc_mmh" in name:
+                top = ", ".join(f"{op} {n}" for op, n in list(k["loop"]["opcodes"].items())[:6])
+                short = name[: name.find("Ev")] if "Ev" in name else name  # up to the template arguments
+                print(f"sass {b}: {short}: loop {k['loop']['instructions']} instructions ({top})")
         ops = res["builds"].get(b, {}).get("test_backend_ops")
         if ops:
             print(f"test-backend-ops {b}: {ops}")
