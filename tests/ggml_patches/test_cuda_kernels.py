@@ -85,6 +85,11 @@ def test_the_patched_ggml_cuda_compiles(patched, tmp_path):
     scope = main.index("ggml_cuda_mc_ycache_begin(")
     assert scope < main.index("ggml_cuda_graph_evaluate_and_capture(cuda_ctx, cgraph", scope)
     assert main.index("ggml_cuda_mc_ycache_end();", scope) > scope
+    # MC_MMV_L2_NEXT_MB: the plan before the node loop, the candidates named before each node's compute
+    plan = main.index("ggml_cuda_mc_next_weights_plan(cgraph);")
+    at = main.index("ggml_cuda_mc_next_weights_at(i);", plan)
+    assert at < main.index("ggml_cuda_try_fuse(cuda_ctx, cgraph, i)", at)
+    assert main.index("ggml_cuda_mc_next_weights_end();", at) > at
 
 
 def test_the_dispatch_reaches_the_kernel(patched):
