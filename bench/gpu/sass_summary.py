@@ -87,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.listing.is_file():
         print(f"sass_summary: no listing at {args.listing}", file=sys.stderr)
         return 2
+    try:
+        re.compile(args.kernel)
+    except re.error as e:
+        print(f"sass_summary: --kernel {args.kernel!r} is not a regular expression: {e}", file=sys.stderr)
+        return 2
     result = summary(args.listing.read_text(errors="replace"), args.kernel)
     for name, s in result.items():
         loop = s["loop"]

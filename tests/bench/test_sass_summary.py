@@ -75,6 +75,13 @@ def test_the_command_and_the_side_by_side_summary(tmp_path):
         [sys.executable, str(SCRIPT), str(tmp_path / "none.out")], capture_output=True, text=True, timeout=60
     )
     assert missing.returncode == 2 and "no listing" in missing.stderr
+    bad = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path / "patched-sass.out"), "--kernel", "mc_(mmh"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "--kernel 'mc_(mmh' is not a regular expression" in bad.stderr
     # sbs_summary.py puts it under the build's figures and prints the tensor-core kernels' loops
     (tmp_path / "bandwidth.out").write_text("")
     run = subprocess.run(
