@@ -90,6 +90,14 @@ def test_the_patched_ggml_cuda_compiles(patched, tmp_path):
     at = main.index("ggml_cuda_mc_next_weights_at(i);", plan)
     assert at < main.index("ggml_cuda_try_fuse(cuda_ctx, cgraph, i)", at)
     assert main.index("ggml_cuda_mc_next_weights_end();", at) > at
+    # MC_MMV_GROUP: the reorder opens the graph's optimize step (before the buffers are planned); the
+    # grouped launch comes after the stock fusions and before the node's own compute
+    opt = main.index("static void ggml_backend_cuda_graph_optimize(")
+    reorder = main.index("ggml_cuda_mc_group_reorder(cgraph);", opt)
+    assert reorder < main.index("enable_graph_optimization", opt)
+    fuse = main.index("ggml_cuda_try_fuse(cuda_ctx, cgraph, i)")
+    group = main.index("ggml_cuda_mc_mmv_group(*cuda_ctx, cgraph, i)", fuse)
+    assert group < main.index("ggml_cuda_compute_forward(*cuda_ctx, node)", group)
 
 
 def test_the_dispatch_reaches_the_kernel(patched):
@@ -105,3 +113,4 @@ def test_the_dispatch_reaches_the_kernel(patched):
     assert "ncols >= mc_mmq_min_cols()" in mc
     tests = (patched / "tests/test-backend-ops.cpp").read_text()
     assert "MegaCapybara mc-mmv.cu" in tests
+    assert tests.count("new test_mc_mul_mat_group(") >= 4  # grouped products, compared on every column count
