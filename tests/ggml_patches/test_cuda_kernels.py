@@ -15,15 +15,6 @@ import pytest
 STUB = Path(__file__).parent / "cuda_stub"
 
 
-@pytest.fixture(scope="module")
-def patched(build_script, tmp_path_factory):
-    src = build_script.unpack(
-        build_script.fetch_sdist(build_script.cache_root()), tmp_path_factory.mktemp("s") / "src"
-    )
-    build_script.apply_series(src)
-    return src / "vendor" / "llama.cpp"
-
-
 def compile_cuda(
     patched: Path, name: str, arch: str, out_dir: Path, *flags: str
 ) -> subprocess.CompletedProcess[str]:
