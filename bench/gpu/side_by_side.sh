@@ -226,7 +226,7 @@ for B in ${BUILDS//,/ }; do
       want verify12 "$vmeasure" && step "$B-$v-verify12" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 12 1,2,4
       want batched "$vmeasure" && step "$B-$v-batched" 150 "$S/$B/llama-batched-bench" -m "$MODEL" -c 16384 -b 2048 -ub 512 \
         -npp 512 -ntg 128 -npl 1,2,4,8,12,16 -ngl 99 -fa on --output-format jsonl
-      [ "$BACKEND" = cuda ] && want ops "$vmeasure" && for op in MUL_MAT MUL_MAT_VEC_FUSION; do
+      [ "$BACKEND" = cuda ] && want ops "$vmeasure" && for op in ${OPS//,/ }; do
         step "$B-$v-ops-$op" 120 "$S/$B/test-backend-ops" test -b CUDA0 -o "$op"
       done
       for kv in ${settings//+/ }; do unset "${kv%%=*}"; done
