@@ -35,8 +35,9 @@
 # MC_SBS_ENGINE (1: run the engine part), MC_SBS_OPS (ops checked by test-backend-ops),
 # MC_SBS_VARIANTS (settings of the patched build to measure too, a comma list of NAME:VAR=VAL[+VAR=VAL]
 # with NAME starting with v, e.g. vnomma:MC_MMV_MMA_MIN_COLS=99; a bare number N means
-# vN:MC_MMV_VARIANT=N), MC_SBS_VARIANT_MEASURE (what to measure for each: logits,tg,verify1,ops;
-# also verify12, batched),
+# vN:MC_MMV_VARIANT=N; e.g. vng:MC_MMV_GROUP=0 measures the patched build without the grouping),
+# MC_SBS_VARIANT_MEASURE (what to measure for each: logits,tg,verify1,ops (test-backend-ops of the
+# MC_SBS_OPS list, under the setting); also verify12, batched),
 # MC_SBS_MEASURE (logits,tg,verify1,verify12,batched), MC_SBS_ENGINE_NEED (seconds the engine part
 # must have left to start, default 240), MC_ENGINE_ARGS (for bench/gpu/engine_gpu.py,
 # default --tasks 12), MC_SBS_WEIGHTS (q4_0 or q8_0 random model), MC_SBS_BACKEND (cpu: the same
