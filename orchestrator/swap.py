@@ -12,6 +12,11 @@ the H200 machine, 1.5 s for a 32k-token 27B state. `prealloc_bytes` reserves one
 buffers are then carved out of it (best fit, neighbours merged on release), so pauses never allocate
 or register memory. A request the arena cannot hold falls back to an ordinary allocation, counted in
 `grown` and logged once.
+
+Page-locked buffers are allocated while the thread is bound to the GPU's local CPUs
+(`orchestrator.numa.near_gpu`), so on a host with several sockets their pages land on the GPU's
+memory node; `numa_bound` says whether the last allocation was bound, `pages_by_node` where a
+buffer's pages are.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 import psutil
+
+from orchestrator import numa
 
 log = logging.getLogger(__name__)
 _MIB = 1 << 20
@@ -59,6 +66,7 @@ class SwapPool:
         self.pinned = pinned  # page-locked buffers (through torch's CUDA allocator): ~55 vs 6-14 GB/s
         self._owners: dict[int, object] = {}  # buffer address -> the torch tensor owning a pinned buffer
         self.grown = 0  # buffers allocated on demand (outside the arena)
+        self.numa_bound = False  # whether the last pinned allocation ran bound to the GPU's local CPUs
         self.ram_limit = ram_limit_bytes
         self.min_free_ram = min_free_ram_bytes
         self.spill_dir = spill_dir
@@ -141,10 +149,17 @@ class SwapPool:
             return np.empty(capacity, dtype=np.uint8)
         import torch
 
-        owner = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
+        with numa.near_gpu() as bound:
+            owner = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
+        self.numa_bound = bound
         buf = owner.numpy()
         self._owners[buf.ctypes.data] = owner
         return buf
+
+    def pages_by_node(self, buf: np.ndarray | None = None) -> dict[int, int]:
+        """{NUMA node: pages} of `buf`'s mapping (default: the arena), when the buffer starts one."""
+        buf = self._arena if buf is None else buf
+        return {} if buf is None else numa.pages_by_node(buf.ctypes.data)
 
     def _arena_take(self, size: int) -> np.ndarray | None:
         """The smallest free range that holds `size` (4 KiB aligned, never empty: lent ranges are keyed

@@ -12,7 +12,9 @@ Stock figures to compare with (same GPU, random 27B qwen35, llama-batched-bench 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -34,6 +36,8 @@ def main() -> None:
     ap.add_argument("--prealloc-mb", type=int, default=3072, help="swap arena reserved at start (0: none)")
     args = ap.parse_args()
     res: dict = {"git_commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "model": str(args.model)}
+    res["numa"] = numa_report()
+    print(f"numa: {res['numa']}", flush=True)
     for n in [int(t) for t in args.tasks.split(",") if t and t != "none"]:
         res[f"agg_tok_s_{n}"] = engine_aggregate(args.model, n, 128, 128, n_gpu_layers=999)
         print(f"engine, {n:>2} tasks: {res[f'agg_tok_s_{n}']:.1f} tok/s", flush=True)
@@ -102,12 +106,28 @@ def swap_breakdown(model: Path, depth: int, kv: str, repeats: int = 5, n_gpu_lay
             assert got == n and ok, (got, n, ok)
             for key, a, b in (("size_ms", t0, t1), ("get_ms", t1, t2), ("rm_ms", t2, t3), ("set_ms", t3, t4)):
                 rows[key].append(1000 * (b - a))
-    pool.close()
     out = {k: round(statistics.median(v), 2) for k, v in rows.items()}
-    out.update(bytes=n, alloc_pinned_ms=round(alloc_ms, 1))
+    # where the buffer's pages are (NUMA node: pages), and whether it was allocated bound to the GPU's CPUs
+    out.update(bytes=n, alloc_pinned_ms=round(alloc_ms, 1), numa_bound=pool.numa_bound,
+               pages_by_node=pool.pages_by_node(buf))  # fmt: skip
+    pool.close()
     out["get_gb_s"] = round(n / out["get_ms"] / 1e6, 1)
     out["set_gb_s"] = round(n / out["set_ms"] / 1e6, 1)
     return out
+
+
+def numa_report() -> dict:
+    """The host's NUMA nodes, the GPU's node and local CPUs, and this process's allowed CPUs."""
+    from orchestrator import numa
+
+    online = ""
+    with contextlib.suppress(OSError):
+        online = (numa.SYSFS / "devices" / "system" / "node" / "online").read_text().strip()
+    pci = numa.cuda_pci_bus_id(0)
+    node, cpus = numa.device_node(pci) if pci else (None, None)
+    return {"nodes_online": online, "gpu_pci": pci, "gpu_node": node,
+            "gpu_local_cpus": len(cpus) if cpus else None,
+            "allowed_cpus": len(os.sched_getaffinity(0))}  # fmt: skip
 
 
 def _pinned_probe() -> bool:
