@@ -60,6 +60,22 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     assert spills and all(s == ("0", "0") for s in spills), spills
 
 
+@pytest.mark.parametrize("arch", ["80", "90"])
+def test_bulk_copy_path_only_from_hopper(patched, arch, tmp_path):
+    """MC_MMV_BULK: the dp4a kernel's stage fill with bulk copies on mbarriers exists from sm_90 on
+    (1..8 columns) and compiles away before it, leaving the cp.async path."""
+    out = compile_cuda(patched, "mc-mmv.cu", arch, tmp_path, "-ptx")
+    assert out.returncode == 0, out.stderr[-3000:]
+    ptx = (tmp_path / "mc-mmv.cu.o").read_text()
+    kernels = dict(re.findall(r"\.entry (_Z\d+mc_mmv_q4_0I\w+)\((.*?)\n}", ptx, re.S))
+    assert len(kernels) == 17, list(kernels)
+    for name, body in kernels.items():
+        columns = int(re.match(r"_Z\d+mc_mmv_q4_0ILi(\d+)E", name).group(1))
+        bulk = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in body
+        assert bulk == (arch == "90" and columns <= 8), name
+        assert "cp.async.cg.shared.global" in body, name  # the default path stays
+
+
 def test_the_patched_ggml_cuda_compiles(patched, tmp_path):
     """ggml-cuda.cu with the series' hunks (the mc-mmv dispatch before mul_mat_q, the grouping's
     reorder and launch, the next-weights hints) compiles for sm_90, ~20 s here; mmvq.cu's six-line
