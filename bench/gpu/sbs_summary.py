@@ -258,6 +258,10 @@ def main() -> None:
                     res[f"pause_ms_{name}{suffix}"] = round(fig["pause_ms"], 2)
                     res[f"resume_ms_{name}{suffix}"] = round(fig["resume_ms"], 2)
         res["engine_agg_tok_s_12"] = e.get("agg_tok_s_12")
+    numa = st / "numa.json"  # bench/gpu/numa_probe.py: page-locked memory by NUMA binding
+    if numa.exists():
+        res["numa_probe"] = json.loads(numa.read_text())
+        print(f"numa probe: {res['numa_probe']}")
     sym = st / "stdcxx-symbols.txt"
     if sym.exists():
         res["libggml_cuda_std_symbols"] = int(sym.read_text().strip() or 0)

@@ -3,8 +3,8 @@
 # run: single-stream decode at depth 0 / 4k / 32k, verify cost (1 sequence and 12 sequences x k
 # tokens), aggregate decode at 1-16 sequences (llama-batched-bench), the patched kernels'
 # correctness (test-backend-ops, CUDA vs CPU), optionally an ncu kernel profile of one decode step,
-# then MegaCapybara's engine (12 tasks, pause/resume at 8k / 32k, f16 and q8_0 KV) and the copy
-# bandwidths. Writes bench/results-style JSON and prints the table.
+# then page-locked memory by NUMA binding (bench/gpu/numa_probe.py), MegaCapybara's engine (12 tasks,
+# pause/resume at 8k / 32k, f16 and q8_0 KV) and the copy bandwidths. Writes bench/results-style JSON and prints the table.
 #
 # usage, from the repository root:   OUT=DIR bash bench/gpu/side_by_side.sh [deadline_seconds]
 #
@@ -256,6 +256,9 @@ for B in ${BUILDS//,/ }; do
 done
 
 # ---- MegaCapybara's engine on the patched build ----
+# first where page-locked memory lands by NUMA binding and how fast it copies (the swap pool binds)
+[ "$BACKEND" = cuda ] && [ "${MC_SBS_ENGINE:-1}" = 1 ] &&
+  step numa 60 python3 "$ROOT/bench/gpu/numa_probe.py" --json "$S/numa.json"
 if [ "${MC_SBS_ENGINE:-1}" = 1 ] && [ ! -f "$S/engine.done" ]; then
   SRCROOT=$(ls -d "$S"/src/*/ | head -1)
   if [ "$(left)" -lt "${MC_SBS_ENGINE_NEED:-240}" ]; then log "not enough time for the engine; call again"; exit 3; fi

@@ -65,6 +65,8 @@ def make_state(st: Path) -> None:
         )
         + "\n"
     )
+    numa = {"gpu_node": 1, "local": {"bound": True, "pages_by_node": {"1": 256}, "h2d_gb_s": 55.0}}
+    (st / "numa.json").write_text(json.dumps(numa))
     name = "void mc_mmq_q4_0<2, 8, false>(const char *, int)"
     (st / "patched-kdetail.out").write_text(
         "\n".join(
@@ -112,6 +114,7 @@ def test_summary_fills_the_issue_keys_and_the_kernel_figures(tmp_path):
     assert res["agg_tok_s_12_patched"] == 528.0
     assert res["verify16_over_1_stock"] == 2.4 and res["verify16_over_1_patched"] == 2.0
     assert res["builds"]["patched"]["test_backend_ops"] == {"MUL_MAT": {"passed": 1343, "total": 1343}}
+    assert res["numa_probe"]["local"]["h2d_gb_s"] == 55.0 and "numa probe:" in run.stdout
     prof = res["builds"]["stock"]["profile_k16"]
     assert prof["kernels"] == 3 and prof["kernel_time_us"] == 5.0
     assert prof["by_kernel"][0] == {"name": "void mul_mat_q", "count": 2, "us": 4.0, "share": 0.8}
