@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""Where an engine step goes: N tasks decoding together, each step split into the llama_decode call,
+the host work after the logits (sampling, detokenizing, handing tokens to the readers) and the rest
+(scheduling, filling the batch), in ms per step, beside the aggregate tokens/s.
+
+    python3 bench/engine_steps.py MODEL.gguf [--tasks 12] [--prompt 64] [--gen 128] [--gpu-layers 0]
+                                  [--json OUT.json]
+
+On a GPU build llama_decode returns when the step is queued, so the first logits read waits for the
+device: there the 'after' figure holds that wait (set --sync to synchronize inside the decode timer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import orchestrator  # noqa: E402, F401  (loads llama.cpp before numpy: see orchestrator/__init__.py)
+from bench.engine_cpu import engine_aggregate, git_commit  # noqa: E402
+
+
+def measure(model: Path, tasks: int, prompt: int, gen: int, gpu_layers: int, sync: bool) -> dict:
+    """Runs engine_aggregate with the engine's step, decode and per-token work timed."""
+    import orchestrator.llama_engine as le
+    from orchestrator.llama import Context
+
+    acc: Counter = Counter()
+    decode, after, step = Context.decode, le.LlamaEngine._after_logits, le.LlamaEngine._step
+
+    def timed_decode(self, batch):
+        t = time.perf_counter()
+        decode(self, batch)
+        if sync:
+            self.synchronize()
+        acc["decode_s"] += time.perf_counter() - t
+        acc["decodes"] += 1
+
+    def timed_after(self, task, row):
+        t = time.perf_counter()
+        try:
+            return after(self, task, row)
+        finally:
+            acc["after_s"] += time.perf_counter() - t
+            acc["rows"] += 1
+
+    def timed_step(self):
+        t = time.perf_counter()
+        try:
+            return step(self)
+        finally:
+            acc["step_s"] += time.perf_counter() - t
+
+    Context.decode, le.LlamaEngine._after_logits, le.LlamaEngine._step = timed_decode, timed_after, timed_step
+    try:
+        tok_s = engine_aggregate(model, tasks, prompt, gen, n_gpu_layers=gpu_layers)
+    finally:
+        Context.decode, le.LlamaEngine._after_logits, le.LlamaEngine._step = decode, after, step
+    n = max(acc["decodes"], 1)
+    ms = {k: 1000 * acc[f"{k}_s"] / n for k in ("decode", "after", "step")}
+    return {
+        "tasks": tasks,
+        "prompt": prompt,
+        "gen": gen,
+        "agg_tok_s": round(tok_s, 1),
+        "decodes": acc["decodes"],
+        "rows": acc["rows"],
+        "decode_ms_per_step": round(ms["decode"], 3),
+        "after_logits_ms_per_step": round(ms["after"], 3),
+        "rest_ms_per_step": round(ms["step"] - ms["decode"] - ms["after"], 3),
+        "step_ms": round(ms["step"], 3),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--tasks", type=int, default=12)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--gpu-layers", type=int, default=0)
+    ap.add_argument("--sync", action="store_true", help="synchronize the device inside the decode timer")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if args.tasks < 1 or args.gen < 2 or args.prompt < 2:
+        ap.error("--tasks must be >= 1, --gen and --prompt >= 2")
+    res = measure(args.model, args.tasks, args.prompt, args.gen, args.gpu_layers, args.sync)
+    res.update(git_commit=git_commit(), date=time.strftime("%Y-%m-%d"), model=str(args.model), sync=args.sync)
+    print(f"{'tasks':>5} {'tok/s':>8} {'decode ms':>10} {'after ms':>9} {'rest ms':>8} {'step ms':>8}")
+    print(
+        f"{res['tasks']:>5} {res['agg_tok_s']:>8} {res['decode_ms_per_step']:>10} "
+        f"{res['after_logits_ms_per_step']:>9} {res['rest_ms_per_step']:>8} {res['step_ms']:>8}"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
