@@ -42,6 +42,12 @@ def main() -> None:
         res[f"agg_tok_s_{n}"] = engine_aggregate(args.model, n, 128, 128, n_gpu_layers=999)
         print(f"engine, {n:>2} tasks: {res[f'agg_tok_s_{n}']:.1f} tok/s", flush=True)
         Path(args.json).write_text(json.dumps(res, indent=2))
+    # where a 12-task engine step goes (the decode call, the host work after the logits, the rest)
+    from bench.engine_steps import measure
+
+    res["steps_12"] = measure(args.model, 12, 128, 128, 999, sync=False)
+    print(f"engine steps, 12 tasks: {res['steps_12']}", flush=True)
+    Path(args.json).write_text(json.dumps(res, indent=2))
     for kv in ("f16", "q8_0"):
         for depth in [int(d) for d in args.breakdown.split(",") if d]:
             fig = swap_breakdown(args.model, depth, kv)
