@@ -93,10 +93,28 @@ def bound_to(cpus: set[int] | None) -> Iterator[bool]:
         os.sched_setaffinity(0, old)
 
 
+def gpu_node(device: int = 0, sysfs: Path = SYSFS) -> tuple[str | None, int | None, set[int] | None]:
+    """(PCI address, NUMA node, local CPUs) of CUDA device `device`; None where unknown."""
+    pci = cuda_pci_bus_id(device)
+    return (pci, *device_node(pci, sysfs)) if pci else (None, None, None)
+
+
+def describe(device: int = 0, sysfs: Path = SYSFS) -> dict:
+    """The host's NUMA nodes, CUDA device `device`'s address, node and local CPUs (those this process
+    may use), and how many CPUs it may use: for benchmark records."""
+    online = ""
+    with contextlib.suppress(OSError):
+        online = (sysfs / "devices" / "system" / "node" / "online").read_text().strip()
+    pci, node, cpus = gpu_node(device, sysfs)
+    allowed = os.sched_getaffinity(0)
+    return {"nodes_online": online, "gpu_pci": pci, "gpu_node": node,
+            "gpu_local_cpus": len(cpus & allowed) if cpus else None,
+            "allowed_cpus": len(allowed)}  # fmt: skip
+
+
 def near_gpu(device: int = 0, sysfs: Path = SYSFS):
     """`bound_to` the local CPUs of CUDA device `device` (a no-op context where unknown)."""
-    pci = cuda_pci_bus_id(device)
-    return bound_to(device_node(pci, sysfs)[1] if pci else None)
+    return bound_to(gpu_node(device, sysfs)[2])
 
 
 _NODE_PAGES = re.compile(r"\bN(\d+)=(\d+)")

@@ -12,9 +12,7 @@ Stock figures to compare with (same GPU, random 27B qwen35, llama-batched-bench 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -24,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 import orchestrator  # noqa: E402, F401  (loads llama.cpp before numpy: see orchestrator/__init__.py)
 from bench.engine_cpu import engine_aggregate, git_commit, swap_figures  # noqa: E402
+from orchestrator import numa  # noqa: E402
 
 
 def main() -> None:
@@ -36,7 +35,7 @@ def main() -> None:
     ap.add_argument("--prealloc-mb", type=int, default=3072, help="swap arena reserved at start (0: none)")
     args = ap.parse_args()
     res: dict = {"git_commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "model": str(args.model)}
-    res["numa"] = numa_report()
+    res["numa"] = numa.describe(0)
     print(f"numa: {res['numa']}", flush=True)
     for n in [int(t) for t in args.tasks.split(",") if t and t != "none"]:
         res[f"agg_tok_s_{n}"] = engine_aggregate(args.model, n, 128, 128, n_gpu_layers=999)
@@ -120,20 +119,6 @@ def swap_breakdown(model: Path, depth: int, kv: str, repeats: int = 5, n_gpu_lay
     out["get_gb_s"] = round(n / out["get_ms"] / 1e6, 1)
     out["set_gb_s"] = round(n / out["set_ms"] / 1e6, 1)
     return out
-
-
-def numa_report() -> dict:
-    """The host's NUMA nodes, the GPU's node and local CPUs, and this process's allowed CPUs."""
-    from orchestrator import numa
-
-    online = ""
-    with contextlib.suppress(OSError):
-        online = (numa.SYSFS / "devices" / "system" / "node" / "online").read_text().strip()
-    pci = numa.cuda_pci_bus_id(0)
-    node, cpus = numa.device_node(pci) if pci else (None, None)
-    return {"nodes_online": online, "gpu_pci": pci, "gpu_node": node,
-            "gpu_local_cpus": len(cpus) if cpus else None,
-            "allowed_cpus": len(os.sched_getaffinity(0))}  # fmt: skip
 
 
 def _pinned_probe() -> bool:

@@ -43,13 +43,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.mib < 1 or args.repeats < 1:
+        ap.error(f"--mib and --repeats must be whole numbers >= 1 (got {args.mib}, {args.repeats})")
     import torch
 
-    pci = numa.cuda_pci_bus_id(0)
-    node, local = numa.device_node(pci) if pci else (None, None)
+    res: dict = numa.describe(0)
+    local = numa.gpu_node(0)[2]
     allowed = os.sched_getaffinity(0)
-    res: dict = {"gpu_pci": pci, "gpu_node": node, "allowed_cpus": len(allowed),
-                 "gpu_local_cpus": len(local & allowed) if local else None}  # fmt: skip
     n = args.mib << 20
     dev = torch.empty(n, dtype=torch.uint8, device="cuda")
     ways = {"unbound": None, "local": local, "remote": (allowed - local) if local else None}

@@ -105,3 +105,12 @@ def test_pool_allocates_pinned_buffers_bound_to_the_gpu_cpus(monkeypatch):
     assert seen == [local] and os.sched_getaffinity(0) == old
     assert pool.numa_bound == (local != old)
     pool.close()
+
+
+def test_describe_without_cuda(tmp_path):
+    (tmp_path / "devices" / "system" / "node").mkdir(parents=True)
+    (tmp_path / "devices" / "system" / "node" / "online").write_text("0-1\n")
+    got = numa.describe(0, tmp_path)  # the CPU torch of this machine has no CUDA device
+    assert got == {"nodes_online": "0-1", "gpu_pci": None, "gpu_node": None, "gpu_local_cpus": None,
+                   "allowed_cpus": len(os.sched_getaffinity(0))}  # fmt: skip
+    assert numa.gpu_node(0, tmp_path) == (None, None, None)
