@@ -57,6 +57,10 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     forms = [("4", "3", "0"), ("4", "4", "1"), ("3", "4", "0")]
     assert sorted(mmh) == sorted((nt, *f) for nt in ("1", "2") for f in forms), mmh
     assert report.count("Compiling entry function '_Z16mc_mmh_convert_y") == 1
+    # Q6_K at one column (the output matrix): one kernel, registers for its 6 blocks of 128 threads
+    # per SM (65,536 / 768 = 85, allocated in steps of 8)
+    q6k = re.findall(r"Compiling entry function '_Z11mc_mmv_q6_K\w+'.*?Used (\d+) registers", report, re.S)
+    assert len(q6k) == 1 and int(q6k[0]) <= 80, q6k
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), spills
 
@@ -110,6 +114,11 @@ def test_the_dispatch_reaches_the_kernel(patched):
     assert at < main.index("ggml_cuda_mul_mat_q(ctx, src0, src1, nullptr, dst);", at)
     mc = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
     assert "ncols >= mc_mmq_min_cols()" in mc
+    # Q6_K weights (the output matrix) take the same entry: its one-column kernel or nothing
+    entry = mc.index("bool ggml_cuda_mc_mmv(ggml_backend_cuda_context & ctx")
+    q6k = mc.index("return mc_mmv_q6_K_try(ctx, src0, src1, dst, fusion);", entry)
+    assert q6k < mc.index("mc_mmv_supported(", entry)
     tests = (patched / "tests/test-backend-ops.cpp").read_text()
     assert "MegaCapybara mc-mmv.cu" in tests
+    assert "new test_mul_mat(GGML_TYPE_Q6_K, GGML_TYPE_F32, m, 1, k" in tests
     assert tests.count("new test_mc_mul_mat_group(") >= 4  # grouped products, compared on every column count
