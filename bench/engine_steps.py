@@ -34,6 +34,10 @@ def measure(model: Path, tasks: int, prompt: int, gen: int, gpu_layers: int, syn
     acc: Counter = Counter()
     decode, after, step = Context.decode, le.LlamaEngine._after_logits, le.LlamaEngine._step
 
+    from orchestrator.backend import llama
+
+    perf = llama().llama_perf_context
+
     def timed_decode(self, batch):
         t = time.perf_counter()
         decode(self, batch)
@@ -41,6 +45,9 @@ def measure(model: Path, tasks: int, prompt: int, gen: int, gpu_layers: int, syn
             self.synchronize()
         acc["decode_s"] += time.perf_counter() - t
         acc["decodes"] += 1
+        reused = perf(self.ptr).n_reused  # llama.cpp's count of steps that reused the last graph
+        acc["reused"] += reused > acc["reused_seen"]
+        acc["reused_seen"] = reused
 
     def timed_after(self, task, row):
         t = time.perf_counter()
@@ -70,6 +77,9 @@ def measure(model: Path, tasks: int, prompt: int, gen: int, gpu_layers: int, syn
         "gen": gen,
         "agg_tok_s": round(tok_s, 1),
         "decodes": acc["decodes"],
+        # decodes that reused the previous step's graph (else: built, allocated and, on a GPU, its
+        # CUDA graph captured again)
+        "graph_reused": acc["reused"],
         "rows": acc["rows"],
         "decode_ms_per_step": round(ms["decode"], 3),
         "after_logits_ms_per_step": round(ms["after"], 3),

@@ -4,13 +4,15 @@
 //
 //   mc_gpu_bench tg      MODEL DEPTHS N          single-stream decode at each depth (tokens before)
 //   mc_gpu_bench verify  MODEL DEPTH SEQS SIZES  one decode of SEQS sequences x k tokens, all logits
-//   mc_gpu_bench profile MODEL DEPTH STEPS [K]   STEPS decodes of K tokens (default 1; K > 1: all
-//                                                logits, a verify step) inside a profiler range
+//   mc_gpu_bench profile MODEL DEPTH STEPS [K] [SEQS]  STEPS decodes of K tokens (default 1; K > 1:
+//                                                all logits, a verify step) for each of SEQS sequences
+//                                                (default 1) inside a profiler range
 //                                                (cudaProfilerStart/Stop; run under ncu
 //                                                --profile-from-start off)
 //   mc_gpu_bench logits  MODEL OUT.bin           fixed tokens, teacher-forced: the logits of a 64-token
 //                                                prefill's last token, of 8 single-token steps and of
-//                                                one 16-token step (all rows), float32 rows to OUT.bin
+//                                                one 16-token step (all rows), then of 12 sequences
+//                                                (32-token prompts, 6 steps), float32 rows to OUT.bin
 //
 // DEPTHS and SIZES are comma lists. Every timed decode ends with llama_synchronize (llama_decode
 // returns before the GPU is done), after warm-up decodes of the same shape. Output: one JSON object
@@ -213,16 +215,17 @@ int cmd_verify(int argc, char ** argv) {
 
 int cmd_profile(int argc, char ** argv) {
     if (argc < 5) {
-        fprintf(stderr, "usage: mc_gpu_bench profile MODEL DEPTH STEPS [K]\n");
+        fprintf(stderr, "usage: mc_gpu_bench profile MODEL DEPTH STEPS [K] [SEQS]\n");
         return 2;
     }
     const int depth = atoi(argv[3]);
     const int steps = atoi(argv[4]);
     const int k     = argc > 5 ? std::max(1, atoi(argv[5])) : 1;
-    Bench     b(argv[2], depth + (steps + 8) * k + 64, 1, k);
-    b.prefill(depth, 1);
+    const int seqs  = argc > 6 ? std::max(1, atoi(argv[6])) : 1;
+    Bench     b(argv[2], (depth + (steps + 8) * k + 64) * seqs, seqs, seqs * k);
+    b.prefill(depth, seqs);
     int pos = depth;
-    b.time_steps(1, k, pos, k > 1, 8, 0);  // warm-up: the CUDA graph is captured by now
+    b.time_steps(seqs, k, pos, k > 1, 8, 0);  // warm-up: the CUDA graph is captured by now
     // the CUDA runtime is already loaded by the backend: take its profiler switches from there
     using fn_t  = int (*)();
     void * rt   = dlopen("libcudart.so", RTLD_NOW | RTLD_NOLOAD);
@@ -239,12 +242,12 @@ int cmd_profile(int argc, char ** argv) {
     if (start) {
         start();
     }
-    const double ms = b.time_steps(1, k, pos, k > 1, 0, steps);
+    const double ms = b.time_steps(seqs, k, pos, k > 1, 0, steps);
     if (stop) {
         stop();
     }
-    printf("{\"kind\": \"profile\", \"depth\": %d, \"steps\": %d, \"k\": %d, \"median_ms\": %.4f}\n", depth, steps,
-           k, ms);
+    printf("{\"kind\": \"profile\", \"depth\": %d, \"steps\": %d, \"k\": %d, \"seqs\": %d, \"median_ms\": %.4f}\n",
+           depth, steps, k, seqs, ms);
     return 0;
 }
 
@@ -253,7 +256,8 @@ int cmd_logits(int argc, char ** argv) {
         fprintf(stderr, "usage: mc_gpu_bench logits MODEL OUT.bin\n");
         return 2;
     }
-    Bench  b(argv[2], 256, 1, 16);
+    const int seqs = 12;  // the second part: 12 sequences decoded together
+    Bench     b(argv[2], 1024, seqs, seqs * 32);
     FILE * f = fopen(argv[3], "wb");
     if (!f) {
         fprintf(stderr, "mc_gpu_bench: cannot write %s\n", argv[3]);
@@ -278,8 +282,20 @@ int cmd_logits(int argc, char ** argv) {
     b.fill(1, 16, pos, true);
     b.decode();
     dump(16);
+    // 12 sequences: a 32-token prompt each in one batch (fresh recurrent states), then 6 steps of one
+    // token each (the states read and written in the cache: patch 0006), every sequence's logits
+    b.prefill(0, 1);
+    b.fill(seqs, 32, 0, false);
+    b.decode();
+    dump(seqs);
+    for (int i = 0; i < 6; i++) {
+        b.fill(seqs, 1, 32 + i, true);
+        b.decode();
+        dump(seqs);
+    }
     fclose(f);
-    printf("{\"kind\": \"logits\", \"rows\": 25, \"n_vocab\": %d, \"path\": \"%s\"}\n", b.n_vocab, argv[3]);
+    printf("{\"kind\": \"logits\", \"rows\": %d, \"n_vocab\": %d, \"path\": \"%s\"}\n", 25 + 7 * seqs,
+           b.n_vocab, argv[3]);
     return 0;
 }
 

@@ -172,7 +172,7 @@ def stall_reasons(metrics: dict) -> list:
 def compare_logits(state: Path, build: str = "patched") -> dict | None:
     """Teacher-forced logits of the two builds (mc_gpu_bench logits): relative L2 error per row and
     whether the argmax agrees. Rows: a 64-token prefill's last, 8 single-token steps, 16 rows of one
-    16-token step."""
+    16-token step, then 12 sequences: their 32-token prompts' last and 6 steps of one token each."""
     a, b = state / "stock-logits.bin", state / f"{build}-logits.bin"
     if not (a.exists() and b.exists()):
         return None
