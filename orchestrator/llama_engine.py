@@ -159,6 +159,12 @@ class LlamaEngine(Engine):
         self._lock = threading.Lock()
         self._running = True
         self._window = (time.monotonic(), 0, 0)
+        # a step's events for the readers; with layers on a GPU they are handed over once the next
+        # step's decode is queued on the device: waking a reader thread costs the engine thread the
+        # interpreter lock for a while, which then overlaps the device's work instead of delaying
+        # the next decode
+        self._outbox: list[tuple[TaskReader, TokenEvent | FinishEvent]] = []
+        self._defer_events = n_gpu_layers != 0  # on the CPU llama_decode computes the step itself
         self._slot_view: list[dict] = []
         self._last_throughput: dict = {}
         self._thread = threading.Thread(target=self._loop, name="mc-engine", daemon=True)
@@ -261,7 +267,10 @@ class LlamaEngine(Engine):
                     log.exception("engine step failed")
                     for task in [t for t in self._tasks.values() if t.phase is Phase.RESIDENT]:
                         self._finish(task, StopReason.ERROR, "engine step failed (see server log)")
+            if not self._tasks:  # no next step to wait for
+                self._flush_outbox()
             self._publish_views()
+        self._flush_outbox()
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -304,6 +313,8 @@ class LlamaEngine(Engine):
             self._finish(task, StopReason.LENGTH)
         views = [t.view() for t in self._tasks.values()] + [s.view() for s in self.res.resident_sessions()]
         plan = schedule(views, self.budget, now)
+        if plan.pause or plan.resume:  # swaps take tens of ms: hand the last step's tokens over first
+            self._flush_outbox()
         for tid in plan.pause:
             self._pause(tid, now)
         for tid in plan.resume:
@@ -312,7 +323,10 @@ class LlamaEngine(Engine):
             self._admit(self._tasks[tid], now)
         rows = self._fill_batch(plan)
         if self.batch.n_tokens == 0:
+            self._flush_outbox()
             return
+        if not self._defer_events:
+            self._flush_outbox()
         try:
             self.ctx.decode(self.batch)
         except Exception as exc:  # fails only the tasks of this batch
@@ -320,7 +334,9 @@ class LlamaEngine(Engine):
             log.exception("llama_decode failed for tasks %s", [t.id for t in in_batch])
             for task in in_batch:
                 self._finish(task, StopReason.ERROR, f"decode failed: {exc}")
+            self._flush_outbox()
             return
+        self._flush_outbox()  # the last step's tokens, while the device runs this one
         self.stats.steps += 1
         for task, row in rows:
             if task.id in self._tasks:
@@ -367,7 +383,7 @@ class LlamaEngine(Engine):
             if self.model.is_eog(token):
                 return self._finish(task, StopReason.STOP)
             text = task.stream.push(token)
-            task.reader.put(TokenEvent(task.id, token, text, logprob))
+            self._outbox.append((task.reader, TokenEvent(task.id, token, text, logprob)))
             action = task.guard.observe(token, text)
             if action is not None:
                 self.stats.loop_actions += 1
@@ -411,7 +427,7 @@ class LlamaEngine(Engine):
     def _finish(self, task: Task, reason: StopReason, error: str | None = None) -> None:
         tail = task.stream.flush()
         if tail and reason is not StopReason.CANCELLED:
-            task.reader.put(TokenEvent(task.id, -1, tail))
+            self._outbox.append((task.reader, TokenEvent(task.id, -1, tail)))
         reader, finish = task.reader, FinishEvent(task.id, reason, task.usage(), error)
         del self._tasks[task.id]
         with self._lock:
@@ -421,7 +437,12 @@ class LlamaEngine(Engine):
         else:
             self.res.drop(task)
         self._set_state(task, TaskState.DONE, reason)
-        reader.put(finish)  # last: the task's cells are free when its reader sees the end
+        self._outbox.append((reader, finish))  # last: the task's cells are free when its reader sees the end
+
+    def _flush_outbox(self) -> None:
+        out, self._outbox = self._outbox, []
+        for reader, event in out:
+            reader.put(event)
 
     # ---- events and views ------------------------------------------------------------------
 

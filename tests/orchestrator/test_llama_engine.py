@@ -7,7 +7,14 @@ import pytest
 from orchestrator.events import Swapped, TaskStateChanged
 from orchestrator.llama import ContextParams
 from orchestrator.llama_engine import EngineConfig, LlamaEngine
-from orchestrator.types import GenerationRequest, InvalidRequest, SamplingParams, StopReason, TokenEvent
+from orchestrator.types import (
+    FinishEvent,
+    GenerationRequest,
+    InvalidRequest,
+    SamplingParams,
+    StopReason,
+    TokenEvent,
+)
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):", "The best way to cook rice is"]
 
@@ -211,3 +218,33 @@ def test_a_failing_step_fails_only_its_tasks(gemma_path, monkeypatch):
         assert finish.reason is StopReason.LENGTH
     finally:
         engine.close()
+
+
+def test_events_handed_over_after_the_next_decode_arrive_whole_and_in_order(gemma_path):
+    """With layers offloaded (n_gpu_layers != 0; this CPU build keeps them on the CPU) a step's token
+    and finish events reach the readers once the next step's decode is queued: every task still
+    gets all its tokens, then its finish, the same tokens as the engine that hands them over at
+    once, and pauses, cancels and more tasks than slots lose nothing."""
+    ctx = ContextParams(n_ctx=256, n_batch=256, n_seq_max=4, n_threads=2, flash_attn="on")
+    cfg = dict(context=ctx, chunk=128, age_bound_s=0.3, quantum_s=0.05)
+    alone = {}
+    for layers in (0, 99):
+        engine = LlamaEngine(str(gemma_path), EngineConfig(**cfg), n_gpu_layers=layers)
+        try:
+            assert engine._defer_events is (layers != 0)
+            alone[layers] = run_tokens(engine.submit(greedy(engine, "Once upon a time", 30)))
+            if layers:
+                readers = [engine.submit(greedy(engine, p, 60)) for p in PROMPTS * 2]
+                doomed = engine.submit(greedy(engine, "The sea", 200))
+                engine.cancel(doomed.task_id)
+                for reader in readers:
+                    events = list(reader)
+                    assert isinstance(events[-1], FinishEvent) and all(
+                        isinstance(e, TokenEvent) for e in events[:-1]
+                    )
+                    assert events[-1].reason is StopReason.LENGTH and len(run_tokens(iter(events))) == 60
+                assert list(doomed)[-1].reason is StopReason.CANCELLED
+                assert engine.stats.pauses > 0 and engine.stats.resumes > 0
+        finally:
+            engine.close()
+    assert alone[0] == alone[99] and len(alone[0]) == 30
