@@ -117,6 +117,7 @@ if [ ! -f "$S/build.started" ]; then
   rm -rf "$S/ggml-patches" && cp -r ggml-patches "$S/ggml-patches"
   cp bench/gpu/mc_gpu_bench.cpp "$S/"
   HASH=$(cd "$S/ggml-patches" && python3 -c 'import build; print(build.series_hash())')
+  case ",$BUILDS," in *,stock,*) BUILD_STOCK=1 ;; *) BUILD_STOCK=0 ;; esac
   cat > "$S/build.sh" <<EOF
 set -u
 L=${SRCROOT}vendor/llama.cpp
@@ -132,7 +133,7 @@ stage() {  # copy the build's programs and libraries to \$1, and build the measu
   g++ -O2 -std=c++17 -I\$L/include -I\$L/ggml/include $S/mc_gpu_bench.cpp -L\$1 -lllama -lggml -lggml-base -ldl \
     -Wl,-rpath-link,\$1 -Wl,-rpath,'\$\$ORIGIN' -o \$1/mc_gpu_bench
 }
-if [ ! -f $S/stock.done ]; then
+if [ ! -f $S/stock.done ] && [ $BUILD_STOCK = 1 ]; then  # MC_SBS_BUILDS without stock: patched only
   cmake --build $S/build -j \$(nproc) --target $TARGETS_STOCK || exit 1
   stage $S/stock || exit 1
   echo "stock_build_s \$((\$(date +%s) - t0))" > $S/build-times.txt
@@ -203,14 +204,14 @@ for B in ${BUILDS//,/ }; do
   want tg && step "$B-tg" 150 "$S/$B/mc_gpu_bench" tg "$MODEL" 0,4096,32768 64
   want verify1 && step "$B-verify1" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 1 1,2,4,8,16,32,64
   want verify12 && step "$B-verify12" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 12 1,2,4,8,16
-  want batched && step "$B-batched" 150 "$S/$B/llama-batched-bench" -m "$MODEL" -c 16384 -b 2048 -ub 512 \
+  want batched && step "$B-batched" 60 "$S/$B/llama-batched-bench" -m "$MODEL" -c 16384 -b 2048 -ub 512 \
     -npp 512 -ntg 128 -npl 1,2,4,8,12,16 -ngl 99 -fa on --output-format jsonl
   if [ "$B" = patched ] && [ "$BACKEND" = cuda ]; then
     # the patched kernels' machine code (SASS), for reading instruction counts per byte offline
     MCOBJ=$(find "$S/build" -name 'mc-mmv.cu.o' 2>/dev/null | head -1)
     [ -n "$MCOBJ" ] && command -v cuobjdump > /dev/null && step "$B-sass" 30 cuobjdump -sass "$MCOBJ"
     for op in ${OPS//,/ }; do
-      step "$B-ops-$op" 120 "$S/$B/test-backend-ops" test -b CUDA0 -o "$op"
+      step "$B-ops-$op" 60 "$S/$B/test-backend-ops" test -b CUDA0 -o "$op"
     done
   fi
   if [ "$B" = patched ] && [ -n "${MC_SBS_VARIANTS:-}" ]; then  # kernel variants: settings of the patched build
