@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from collections import Counter
@@ -64,11 +65,27 @@ def measure(model: Path, tasks: int, prompt: int, gen: int, gpu_layers: int, syn
         finally:
             acc["step_s"] += time.perf_counter() - t
 
+    # ggml's CUDA-graph messages (debug level, routed to the "llama.cpp" logger by the backend): whether
+    # the steps ran as a captured graph or were launched kernel by kernel
+    graph_log: Counter = Counter()
+
+    class _GraphLines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            msg = record.getMessage()
+            if "CUDA graph" in msg:
+                graph_log[msg.split(": ", 1)[-1].strip()] += 1
+
+    native, handler = logging.getLogger("llama.cpp"), _GraphLines()
+    level = native.level
+    native.setLevel(logging.DEBUG)
+    native.addHandler(handler)
     Context.decode, le.LlamaEngine._after_logits, le.LlamaEngine._step = timed_decode, timed_after, timed_step
     try:
         tok_s = engine_aggregate(model, tasks, prompt, gen, n_gpu_layers=gpu_layers)
     finally:
         Context.decode, le.LlamaEngine._after_logits, le.LlamaEngine._step = decode, after, step
+        native.removeHandler(handler)
+        native.setLevel(level)
     n = max(acc["decodes"], 1)
     ms = {k: 1000 * acc[f"{k}_s"] / n for k in ("decode", "after", "step")}
     return {
@@ -85,6 +102,7 @@ def measure(model: Path, tasks: int, prompt: int, gen: int, gpu_layers: int, syn
         "after_logits_ms_per_step": round(ms["after"], 3),
         "rest_ms_per_step": round(ms["step"] - ms["decode"] - ms["after"], 3),
         "step_ms": round(ms["step"], 3),
+        "cuda_graph_log": dict(graph_log),  # e.g. "CUDA graph warmup reset": n (empty on the CPU)
     }
 
 

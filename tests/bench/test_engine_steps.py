@@ -24,6 +24,8 @@ def test_engine_steps_times_every_step(tiny_qwen35_path, tmp_path):
     assert res["decode_ms_per_step"] > 0 and res["after_logits_ms_per_step"] > 0
     total = res["decode_ms_per_step"] + res["after_logits_ms_per_step"] + res["rest_ms_per_step"]
     assert abs(total - res["step_ms"]) < 0.01
+    assert 0 <= res["graph_reused"] < res["decodes"]  # the first step builds its graph
+    assert res["cuda_graph_log"] == {}  # no CUDA here: no CUDA-graph messages
     assert "decode ms" in run.stdout
 
 
