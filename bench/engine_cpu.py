@@ -39,13 +39,15 @@ THREADS = os.cpu_count() or 2
 N_PROMPT, N_GEN = 128, 128
 
 
-def engine_aggregate(model: Path, n_tasks: int, n_prompt: int, n_gen: int, n_gpu_layers: int = 0) -> float:
+def engine_aggregate(
+    model: Path, n_tasks: int, n_prompt: int, n_gen: int, n_gpu_layers: int = 0, threads: int = THREADS
+) -> float:
     """Generated tokens per second over the decode phase, all tasks together."""
     ctx = ContextParams(
         n_ctx=max(4096, n_tasks * (n_prompt + n_gen + 8)),
         n_batch=2048,
         n_seq_max=max(n_tasks, 1),
-        n_threads=THREADS,
+        n_threads=threads,
         flash_attn="on",
     )
     cfg = EngineConfig(context=ctx, chunk=2048, loop_guard=LoopGuardConfig(enabled=False), max_sessions=0)

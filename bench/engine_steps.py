@@ -24,10 +24,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import orchestrator  # noqa: E402, F401  (loads llama.cpp before numpy: see orchestrator/__init__.py)
-from bench.engine_cpu import engine_aggregate, git_commit  # noqa: E402
+from bench.engine_cpu import THREADS, engine_aggregate, git_commit  # noqa: E402
 
 
-def measure(model: Path, tasks: int, prompt: int, gen: int, gpu_layers: int, sync: bool) -> dict:
+def measure(
+    model: Path, tasks: int, prompt: int, gen: int, gpu_layers: int, sync: bool, threads: int = 0
+) -> dict:
     """Runs engine_aggregate with the engine's step, decode and per-token work timed."""
     import orchestrator.llama_engine as le
     from orchestrator.llama import Context
@@ -81,7 +83,9 @@ def measure(model: Path, tasks: int, prompt: int, gen: int, gpu_layers: int, syn
     native.addHandler(handler)
     Context.decode, le.LlamaEngine._after_logits, le.LlamaEngine._step = timed_decode, timed_after, timed_step
     try:
-        tok_s = engine_aggregate(model, tasks, prompt, gen, n_gpu_layers=gpu_layers)
+        tok_s = engine_aggregate(
+            model, tasks, prompt, gen, n_gpu_layers=gpu_layers, threads=threads or THREADS
+        )
     finally:
         Context.decode, le.LlamaEngine._after_logits, le.LlamaEngine._step = decode, after, step
         native.removeHandler(handler)
@@ -90,6 +94,7 @@ def measure(model: Path, tasks: int, prompt: int, gen: int, gpu_layers: int, syn
     ms = {k: 1000 * acc[f"{k}_s"] / n for k in ("decode", "after", "step")}
     return {
         "tasks": tasks,
+        "threads": threads or THREADS,
         "prompt": prompt,
         "gen": gen,
         "agg_tok_s": round(tok_s, 1),
@@ -114,11 +119,16 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--gpu-layers", type=int, default=0)
     ap.add_argument("--sync", action="store_true", help="synchronize the device inside the decode timer")
+    ap.add_argument(
+        "--threads", type=int, default=THREADS, help="llama.cpp CPU threads (default: every core)"
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.tasks < 1 or args.gen < 2 or args.prompt < 2:
         ap.error("--tasks must be >= 1, --gen and --prompt >= 2")
-    res = measure(args.model, args.tasks, args.prompt, args.gen, args.gpu_layers, args.sync)
+    if args.threads < 1:
+        ap.error(f"--threads must be >= 1 (got {args.threads})")
+    res = measure(args.model, args.tasks, args.prompt, args.gen, args.gpu_layers, args.sync, args.threads)
     res.update(git_commit=git_commit(), date=time.strftime("%Y-%m-%d"), model=str(args.model), sync=args.sync)
     print(f"{'tasks':>5} {'tok/s':>8} {'decode ms':>10} {'after ms':>9} {'rest ms':>8} {'step ms':>8}")
     print(

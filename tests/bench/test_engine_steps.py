@@ -34,3 +34,5 @@ def test_engine_steps_rejects_bad_counts(tmp_path):
     cmd = [sys.executable, script, str(tmp_path / "none.gguf"), "--tasks", "0"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--tasks must be >= 1" in run.stderr
+    run = subprocess.run([*cmd[:-1], "1", "--threads", "0"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--threads must be >= 1 (got 0)" in run.stderr
