@@ -40,8 +40,12 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     # ptxas reports each kernel: its name, then stack/spill figures, then registers
     report = out.stderr
     kernels = re.findall(r"Compiling entry function '(_Z\d+mc_mmv_q4_0\w+)'", report)
-    # the dp4a kernel: 1..16 columns and the fused gate for one column
-    assert len(kernels) == 17, kernels
+    # the dp4a kernel: 1..16 columns and the fused gate for one column, and the two one-column forms
+    # that quantize their f32 activations themselves (MC_MMV_YQ; template arguments NC, GATE, YQ)
+    assert len(kernels) == 19, kernels
+    yq_name = r"_Z\d+mc_mmv_q4_0ILi(\d+)ELb(\d)ELb1E"
+    yq = sorted(re.match(yq_name, k).groups() for k in kernels if "ELb1EEv" in k)
+    assert yq == [("1", "0"), ("1", "1")], kernels
     # the int8 tensor-core kernel: one and two tiles of 8 columns, rows split over warps
     # (MC_MMQ_VARIANT=rows, stages of 8 blocks) or K split over warps (wk, stages of 16 blocks)
     mma = re.findall(r"Compiling entry function '(_Z\d+mc_mmq_q4_0\w+)'", report)
