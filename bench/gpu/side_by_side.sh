@@ -38,7 +38,7 @@
 # with NAME starting with v, e.g. vnomma:MC_MMV_MMA_MIN_COLS=99; a bare number N means
 # vN:MC_MMV_VARIANT=N; e.g. vng:MC_MMV_GROUP=0 measures the patched build without the grouping),
 # MC_SBS_VARIANT_MEASURE (what to measure for each: logits,tg,verify1,ops (test-backend-ops of the
-# MC_SBS_OPS list, under the setting); also verify12, batched),
+# MC_SBS_OPS list, under the setting); also verify12, batched; MC_SBS_VARIANT_MEASURE_<name> for one),
 # MC_SBS_MEASURE (logits,tg,verify1,verify12,batched), MC_SBS_ENGINE_NEED (seconds the engine part
 # must have left to start, default 240), MC_ENGINE_ARGS (for bench/gpu/engine_gpu.py,
 # default --tasks 12), MC_SBS_WEIGHTS (q4_0 or q8_0 random model), MC_SBS_BACKEND (cpu: the same
@@ -220,7 +220,8 @@ for B in ${BUILDS//,/ }; do
         *:*) v=${item%%:*} settings=${item#*:} ;;
         *) v=v$item settings=MC_MMV_VARIANT=$item ;;  # a bare number: MC_MMV_VARIANT
       esac
-      vmeasure=,${MC_SBS_VARIANT_MEASURE:-logits,tg,verify1,ops},
+      per=MC_SBS_VARIANT_MEASURE_$v  # one variant's own list, e.g. MC_SBS_VARIANT_MEASURE_vyq=logits,tg,ops
+      vmeasure=,${!per:-${MC_SBS_VARIANT_MEASURE:-logits,tg,verify1,ops}},
       for kv in ${settings//+/ }; do export "${kv?}"; done
       log "variant $v: $settings"
       want logits "$vmeasure" && step "$B-$v-logits" 60 "$S/$B/mc_gpu_bench" logits "$MODEL" "$S/$B-$v-logits.bin"
