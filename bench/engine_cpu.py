@@ -39,17 +39,23 @@ THREADS = os.cpu_count() or 2
 N_PROMPT, N_GEN = 128, 128
 
 
-def engine_aggregate(
-    model: Path, n_tasks: int, n_prompt: int, n_gen: int, n_gpu_layers: int = 0, threads: int = THREADS
-) -> float:
-    """Generated tokens per second over the decode phase, all tasks together."""
-    ctx = ContextParams(
+def engine_context(n_tasks: int, n_prompt: int, n_gen: int, threads: int = THREADS) -> ContextParams:
+    """The context engine_aggregate gives the engine for n_tasks tasks (also bench/engine_steps.py's
+    bare decode loop)."""
+    return ContextParams(
         n_ctx=max(4096, n_tasks * (n_prompt + n_gen + 8)),
         n_batch=2048,
         n_seq_max=max(n_tasks, 1),
         n_threads=threads,
         flash_attn="on",
     )
+
+
+def engine_aggregate(
+    model: Path, n_tasks: int, n_prompt: int, n_gen: int, n_gpu_layers: int = 0, threads: int = THREADS
+) -> float:
+    """Generated tokens per second over the decode phase, all tasks together."""
+    ctx = engine_context(n_tasks, n_prompt, n_gen, threads)
     cfg = EngineConfig(context=ctx, chunk=2048, loop_guard=LoopGuardConfig(enabled=False), max_sessions=0)
     engine = LlamaEngine(str(model), cfg, n_gpu_layers)
     try:

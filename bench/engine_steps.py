@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import orchestrator  # noqa: E402, F401  (loads llama.cpp before numpy: see orchestrator/__init__.py)
-from bench.engine_cpu import THREADS, engine_aggregate, git_commit  # noqa: E402
+from bench.engine_cpu import THREADS, engine_aggregate, engine_context, git_commit  # noqa: E402
 
 
 def measure(
@@ -111,6 +111,43 @@ def measure(
     }
 
 
+def bare_decode_ms(
+    model: Path, tasks: int, prompt: int, gen: int, gpu_layers: int, threads: int = 0
+) -> float:
+    """Median ms of the same decode steps without the engine: `tasks` sequences prefilled one by one
+    with the engine's context parameters, then `gen` steps of one token each (the argmax of the last
+    step's logits), each decode synchronized, in this thread with nothing else running."""
+    import statistics
+
+    from orchestrator.llama import Batch, Context, Model
+
+    with Model(model, gpu_layers) as m:
+        ctx = Context(m, engine_context(tasks, prompt, gen, threads or THREADS))
+        batch = Batch(2048)
+        try:
+            words = m.tokenize("The quick brown fox jumps over the lazy dog. " * 64)
+            for s in range(tasks):
+                batch.clear()
+                toks = [words[0], *words[1 + s : prompt + s]]
+                for i, t in enumerate(toks):
+                    batch.add(t, i, s, i == len(toks) - 1)
+                ctx.decode(batch)
+            last, times = [words[1]] * tasks, []
+            for step in range(gen):
+                batch.clear()
+                for s in range(tasks):
+                    batch.add(last[s], prompt + step, s, True)
+                t = time.perf_counter()
+                ctx.decode(batch)
+                ctx.synchronize()
+                times.append(time.perf_counter() - t)
+                last = [int(ctx.logits(i).argmax()) for i in range(tasks)]
+            return round(1000 * statistics.median(times), 3)
+        finally:
+            batch.close()
+            ctx.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", type=Path)
@@ -122,6 +159,7 @@ def main() -> None:
     ap.add_argument(
         "--threads", type=int, default=THREADS, help="llama.cpp CPU threads (default: every core)"
     )
+    ap.add_argument("--bare", action="store_true", help="also time the same decodes without the engine")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.tasks < 1 or args.gen < 2 or args.prompt < 2:
@@ -129,6 +167,11 @@ def main() -> None:
     if args.threads < 1:
         ap.error(f"--threads must be >= 1 (got {args.threads})")
     res = measure(args.model, args.tasks, args.prompt, args.gen, args.gpu_layers, args.sync, args.threads)
+    if args.bare:
+        res["bare_decode_ms_per_step"] = bare_decode_ms(
+            args.model, args.tasks, args.prompt, args.gen, args.gpu_layers, args.threads
+        )
+        print(f"bare decode (no engine, synchronized): {res['bare_decode_ms_per_step']} ms a step")
     res.update(git_commit=git_commit(), date=time.strftime("%Y-%m-%d"), model=str(args.model), sync=args.sync)
     print(f"{'tasks':>5} {'tok/s':>8} {'decode ms':>10} {'after ms':>9} {'rest ms':>8} {'step ms':>8}")
     print(

@@ -53,6 +53,11 @@ def main() -> None:
     # every core here: 23.6 ms in the engine's decode call on 2026-11-30)
     res["steps_12_sync_t4"] = measure(args.model, 12, 128, 128, 999, sync=True, threads=4)
     print(f"engine steps, 12 tasks, synchronized, 4 threads: {res['steps_12_sync_t4']}", flush=True)
+    # the same decodes in a bare loop (no engine, no reader threads) in this process
+    from bench.engine_steps import bare_decode_ms
+
+    res["bare_decode_ms_12"] = bare_decode_ms(args.model, 12, 128, 128, 999)
+    print(f"bare decode loop, 12 sequences: {res['bare_decode_ms_12']} ms a step", flush=True)
     Path(args.json).write_text(json.dumps(res, indent=2))
     for kv in ("f16", "q8_0"):
         for depth in [int(d) for d in args.breakdown.split(",") if d]:

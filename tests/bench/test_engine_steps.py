@@ -1,5 +1,6 @@
 """bench/engine_steps.py: an engine run on the tiny qwen35 with its steps timed (decode call, host work
-after the logits, the rest) writes its JSON and table, and every generated token passes the timers."""
+after the logits, the rest) writes its JSON and table, and every generated token passes the timers;
+--bare also times the same decodes without the engine."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_engine_steps_times_every_step(tiny_qwen35_path, tmp_path):
     out = tmp_path / "steps.json"
     cmd = [sys.executable, str(ROOT / "bench" / "engine_steps.py"), str(tiny_qwen35_path),
-           "--tasks", "3", "--prompt", "8", "--gen", "6", "--json", str(out)]  # fmt: skip
+           "--tasks", "3", "--prompt", "8", "--gen", "6", "--bare", "--json", str(out)]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     res = json.loads(out.read_text())
@@ -26,6 +27,7 @@ def test_engine_steps_times_every_step(tiny_qwen35_path, tmp_path):
     assert abs(total - res["step_ms"]) < 0.01
     assert 0 <= res["graph_reused"] < res["decodes"]  # the first step builds its graph
     assert res["cuda_graph_log"] == {}  # no CUDA here: no CUDA-graph messages
+    assert res["bare_decode_ms_per_step"] > 0  # the same decodes without the engine
     assert "decode ms" in run.stdout
 
 
