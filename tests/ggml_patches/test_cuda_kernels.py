@@ -108,4 +108,9 @@ def test_the_dispatch_reaches_the_kernel(patched):
     tests = (patched / "tests/test-backend-ops.cpp").read_text()
     assert "MegaCapybara mc-mmv.cu" in tests
     assert "new test_mul_mat(GGML_TYPE_Q6_K, GGML_TYPE_F32, m, 1, k" in tests
+    # more columns than the kernels take: chunks of at most 16 under MC_MMV_SPLIT_MAX_COLS, checked
+    # before any launch; the cases run either way (stock mul_mat_q when it is off)
+    split = mc.index('mc_env_int("MC_MMV_SPLIT_MAX_COLS", 0, 64, 0)')
+    assert split < mc.index("mc_mmv_supported(ctx, src0, &s1, &d, min_rows)", split)
+    assert "new test_mul_mat(GGML_TYPE_Q4_0, GGML_TYPE_F32, m, n, 5120, {1, 1}, {1, 1})" in tests
     assert tests.count("new test_mc_mul_mat_group(") >= 4  # grouped products, compared on every column count
