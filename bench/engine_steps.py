@@ -30,15 +30,19 @@ from bench.engine_cpu import THREADS, engine_aggregate, engine_context, git_comm
 def measure(
     model: Path, tasks: int, prompt: int, gen: int, gpu_layers: int, sync: bool, threads: int = 0
 ) -> dict:
-    """Runs engine_aggregate with the engine's step, decode and per-token work timed."""
+    """Runs engine_aggregate with the engine's step, decode and per-token work timed. The per-step
+    figures are over the decode steps alone (one token for each of the tasks: the steady state);
+    the prompts' prefill decodes are counted apart (`prefill_decodes`, `prefill_ms`)."""
+    import statistics
+
     import orchestrator.llama_engine as le
+    from orchestrator.backend import llama
     from orchestrator.llama import Context
 
     acc: Counter = Counter()
+    steps: list[dict] = []  # one record a step: its decode's tokens, decode / after-logits / step seconds
+    cur: dict = {}
     decode, after, step = Context.decode, le.LlamaEngine._after_logits, le.LlamaEngine._step
-
-    from orchestrator.backend import llama
-
     perf = llama().llama_perf_context
 
     def timed_decode(self, batch):
@@ -46,7 +50,8 @@ def measure(
         decode(self, batch)
         if sync:
             self.synchronize()
-        acc["decode_s"] += time.perf_counter() - t
+        cur["decode"] = time.perf_counter() - t
+        cur["tokens"] = batch.n_tokens
         acc["decodes"] += 1
         reused = perf(self.ptr).n_reused  # llama.cpp's count of steps that reused the last graph
         acc["reused"] += reused > acc["reused_seen"]
@@ -57,15 +62,17 @@ def measure(
         try:
             return after(self, task, row)
         finally:
-            acc["after_s"] += time.perf_counter() - t
+            cur["after"] = cur.get("after", 0.0) + time.perf_counter() - t
             acc["rows"] += 1
 
     def timed_step(self):
+        cur.clear()
         t = time.perf_counter()
         try:
             return step(self)
         finally:
-            acc["step_s"] += time.perf_counter() - t
+            if "decode" in cur:
+                steps.append(dict(cur, step=time.perf_counter() - t))
 
     # ggml's CUDA-graph messages (debug level, routed to the "llama.cpp" logger by the backend): whether
     # the steps ran as a captured graph or were launched kernel by kernel
@@ -90,8 +97,9 @@ def measure(
         Context.decode, le.LlamaEngine._after_logits, le.LlamaEngine._step = decode, after, step
         native.removeHandler(handler)
         native.setLevel(level)
-    n = max(acc["decodes"], 1)
-    ms = {k: 1000 * acc[f"{k}_s"] / n for k in ("decode", "after", "step")}
+    dec = [r for r in steps if r["tokens"] == tasks] or steps  # the decode steps (all, if none is pure)
+    ms = {k: 1000 * statistics.mean(r.get(k, 0.0) for r in dec) for k in ("decode", "after", "step")}
+    pre = [r for r in steps if r not in dec]
     return {
         "tasks": tasks,
         "threads": threads or THREADS,
@@ -103,10 +111,14 @@ def measure(
         # CUDA graph captured again)
         "graph_reused": acc["reused"],
         "rows": acc["rows"],
+        "decode_steps": len(dec),
         "decode_ms_per_step": round(ms["decode"], 3),
+        "decode_ms_median": round(1000 * statistics.median(r["decode"] for r in dec), 3),
         "after_logits_ms_per_step": round(ms["after"], 3),
         "rest_ms_per_step": round(ms["step"] - ms["decode"] - ms["after"], 3),
         "step_ms": round(ms["step"], 3),
+        "prefill_decodes": len(pre),
+        "prefill_ms": round(1000 * sum(r["decode"] for r in pre), 3),
         "cuda_graph_log": dict(graph_log),  # e.g. "CUDA graph warmup reset": n (empty on the CPU)
     }
 

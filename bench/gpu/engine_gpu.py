@@ -49,8 +49,7 @@ def main() -> None:
     # the same with the device synchronized inside the decode timer: 'after' is then host work alone
     res["steps_12_sync"] = measure(args.model, 12, 128, 128, 999, sync=True)
     print(f"engine steps, 12 tasks, synchronized: {res['steps_12_sync']}", flush=True)
-    # the same with 4 llama.cpp CPU threads (mc_gpu_bench's, 18.5 ms a 12-sequence step, against
-    # every core here: 23.6 ms in the engine's decode call on 2026-11-30)
+    # the same with 4 llama.cpp CPU threads (mc_gpu_bench's default) against every core
     res["steps_12_sync_t4"] = measure(args.model, 12, 128, 128, 999, sync=True, threads=4)
     print(f"engine steps, 12 tasks, synchronized, 4 threads: {res['steps_12_sync_t4']}", flush=True)
     # the same decodes in a bare loop (no engine, no reader threads) in this process

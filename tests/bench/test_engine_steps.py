@@ -22,6 +22,10 @@ def test_engine_steps_times_every_step(tiny_qwen35_path, tmp_path):
     assert res["tasks"] == 3 and res["agg_tok_s"] > 0
     assert res["rows"] == 3 * 6  # one logits row per generated token of each task
     assert res["decodes"] >= 6  # at least the prefill step and one step per further token
+    # the per-step figures are over the decode steps (one token for each task); the prefill apart
+    assert res["decode_steps"] + res["prefill_decodes"] == res["decodes"] and res["prefill_decodes"] >= 1
+    # tokens 2..6 of each task: up to 5 pure decode steps (fewer where a late prompt shared a step)
+    assert 1 <= res["decode_steps"] <= 5 and res["prefill_ms"] > 0
     assert res["decode_ms_per_step"] > 0 and res["after_logits_ms_per_step"] > 0
     total = res["decode_ms_per_step"] + res["after_logits_ms_per_step"] + res["rest_ms_per_step"]
     assert abs(total - res["step_ms"]) < 0.01
