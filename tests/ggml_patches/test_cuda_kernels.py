@@ -68,6 +68,23 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     assert spills and all(s == ("0", "0") for s in spills), spills
 
 
+@pytest.mark.parametrize("arch", ["90", "120"])
+def test_the_cached_rms_norm_compiles(patched, arch, tmp_path):
+    """Patch 0011 (MC_NORM_PREFETCH): the multiply-only rms_norm's cached form, for 256- and 1,024-thread
+    blocks, compiles without spills and within the 64 registers a 1,024-thread block allows; its
+    test-backend-ops cases are in the tree."""
+    out = compile_cuda(patched, "norm.cu", arch, tmp_path, "-Xptxas", "-v")
+    assert out.returncode == 0, out.stderr[-3000:]
+    name = r"Compiling entry function '_Z12rms_norm_f32ILi(\d+)ELb1ELb0ELb0ELb1E\w+'.*?Used (\d+) registers"
+    cached = re.findall(name, out.stderr, re.S)
+    assert sorted(b for b, _ in cached) == ["1024", "256"], cached
+    assert all(int(r) <= 64 for _, r in cached), cached
+    spills = re.findall(r"(\d+) bytes spill stores", out.stderr)
+    assert spills and set(spills) == {"0"}, spills
+    tests = (patched / "tests/test-backend-ops.cpp").read_text()
+    assert "MegaCapybara (MC_NORM_PREFETCH=1)" in tests
+
+
 def test_the_patched_ggml_cuda_compiles(patched, tmp_path):
     """ggml-cuda.cu with the series' hunks (the mc-mmv dispatch before mul_mat_q, the grouping's
     reorder and launch, the next-weights hints) compiles for sm_90, ~20 s here; mmvq.cu's six-line
