@@ -51,6 +51,13 @@ def engine_context(n_tasks: int, n_prompt: int, n_gen: int, threads: int = THREA
     )
 
 
+def task_prompts(tokenize, n_tasks: int, n_prompt: int) -> list[list[int]]:
+    """engine_aggregate's prompts: n_prompt tokens each, the first token then a window of a repeated
+    sentence shifted by one per task (also bench/engine_steps.py's bare loop)."""
+    words = tokenize("The quick brown fox jumps over the lazy dog. " * 64)
+    return [[words[0], *words[1 + i : n_prompt + i]] for i in range(n_tasks)]
+
+
 def engine_aggregate(
     model: Path, n_tasks: int, n_prompt: int, n_gen: int, n_gpu_layers: int = 0, threads: int = THREADS
 ) -> float:
@@ -59,12 +66,9 @@ def engine_aggregate(
     cfg = EngineConfig(context=ctx, chunk=2048, loop_guard=LoopGuardConfig(enabled=False), max_sessions=0)
     engine = LlamaEngine(str(model), cfg, n_gpu_layers)
     try:
-        words = engine.tokenize("The quick brown fox jumps over the lazy dog. " * 64)
-        readers = []
-        for i in range(n_tasks):
-            prompt = [words[0], *words[1 + i : n_prompt + i]]
-            sp = SamplingParams(temperature=0.0, max_tokens=n_gen)
-            readers.append(engine.submit(GenerationRequest(tuple(prompt), sp)))
+        sp = SamplingParams(temperature=0.0, max_tokens=n_gen)
+        prompts = task_prompts(engine.tokenize, n_tasks, n_prompt)
+        readers = [engine.submit(GenerationRequest(tuple(p), sp)) for p in prompts]
         stamps = [[] for _ in readers]  # arrival time of each token, read by one thread per task
 
         def drain(i: int) -> None:

@@ -4,7 +4,7 @@ the host work after the logits (sampling, detokenizing, handing tokens to the re
 (scheduling, filling the batch), in ms per step, beside the aggregate tokens/s.
 
     python3 bench/engine_steps.py MODEL.gguf [--tasks 12] [--prompt 64] [--gen 128] [--gpu-layers 0]
-                                  [--json OUT.json]
+                                  [--sync] [--threads N] [--bare] [--json OUT.json]
 
 On a GPU build llama_decode returns when the step is queued, so the first logits read waits for the
 device: there the 'after' figure holds that wait (set --sync to synchronize inside the decode timer).
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import orchestrator  # noqa: E402, F401  (loads llama.cpp before numpy: see orchestrator/__init__.py)
-from bench.engine_cpu import THREADS, engine_aggregate, engine_context, git_commit  # noqa: E402
+from bench.engine_cpu import THREADS, engine_aggregate, engine_context, git_commit, task_prompts  # noqa: E402
 
 
 def measure(
@@ -137,14 +137,13 @@ def bare_decode_ms(
         ctx = Context(m, engine_context(tasks, prompt, gen, threads or THREADS))
         batch = Batch(2048)
         try:
-            words = m.tokenize("The quick brown fox jumps over the lazy dog. " * 64)
-            for s in range(tasks):
+            prompts = task_prompts(m.tokenize, tasks, prompt)
+            for s, toks in enumerate(prompts):
                 batch.clear()
-                toks = [words[0], *words[1 + s : prompt + s]]
                 for i, t in enumerate(toks):
                     batch.add(t, i, s, i == len(toks) - 1)
                 ctx.decode(batch)
-            last, times = [words[1]] * tasks, []
+            last, times = [prompts[0][1]] * tasks, []
             for step in range(gen):
                 batch.clear()
                 for s in range(tasks):
