@@ -59,11 +59,24 @@ def task_prompts(tokenize, n_tasks: int, n_prompt: int) -> list[list[int]]:
 
 
 def engine_aggregate(
-    model: Path, n_tasks: int, n_prompt: int, n_gen: int, n_gpu_layers: int = 0, threads: int = THREADS
+    model: Path,
+    n_tasks: int,
+    n_prompt: int,
+    n_gen: int,
+    n_gpu_layers: int = 0,
+    threads: int = THREADS,
+    device_sampling: bool | None = None,
 ) -> float:
-    """Generated tokens per second over the decode phase, all tasks together."""
+    """Generated tokens per second over the decode phase, all tasks together (greedy; sampled in the
+    graph or on the host per `device_sampling`, None: the engine's default)."""
     ctx = engine_context(n_tasks, n_prompt, n_gen, threads)
-    cfg = EngineConfig(context=ctx, chunk=2048, loop_guard=LoopGuardConfig(enabled=False), max_sessions=0)
+    cfg = EngineConfig(
+        context=ctx,
+        chunk=2048,
+        loop_guard=LoopGuardConfig(enabled=False),
+        max_sessions=0,
+        device_sampling=device_sampling,
+    )
     engine = LlamaEngine(str(model), cfg, n_gpu_layers)
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=n_gen)

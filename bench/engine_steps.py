@@ -4,7 +4,8 @@ the host work after the logits (sampling, detokenizing, handing tokens to the re
 (scheduling, filling the batch), in ms per step, beside the aggregate tokens/s.
 
     python3 bench/engine_steps.py MODEL.gguf [--tasks 12] [--prompt 64] [--gen 128] [--gpu-layers 0]
-                                  [--sync] [--threads N] [--bare] [--json OUT.json]
+                                  [--sync] [--threads N] [--bare] [--sampling default|device|host]
+                                  [--json OUT.json]
 
 On a GPU build llama_decode returns when the step is queued, so the first logits read waits for the
 device: there the 'after' figure holds that wait (set --sync to synchronize inside the decode timer).
@@ -28,11 +29,20 @@ from bench.engine_cpu import THREADS, engine_aggregate, engine_context, git_comm
 
 
 def measure(
-    model: Path, tasks: int, prompt: int, gen: int, gpu_layers: int, sync: bool, threads: int = 0
+    model: Path,
+    tasks: int,
+    prompt: int,
+    gen: int,
+    gpu_layers: int,
+    sync: bool,
+    threads: int = 0,
+    device_sampling: bool | None = None,
 ) -> dict:
     """Runs engine_aggregate with the engine's step, decode and per-token work timed. The per-step
     figures are over the decode steps alone (one token for each of the tasks: the steady state);
-    the prompts' prefill decodes are counted apart (`prefill_decodes`, `prefill_ms`)."""
+    the prompts' prefill decodes are counted apart (`prefill_decodes`, `prefill_ms`). Greedy tokens
+    are chosen in the graph or on the host per `device_sampling` (None: the engine's default);
+    `device_rows` counts the rows whose token came from the graph."""
     import statistics
 
     import orchestrator.llama_engine as le
@@ -57,13 +67,14 @@ def measure(
         acc["reused"] += reused > acc["reused_seen"]
         acc["reused_seen"] = reused
 
-    def timed_after(self, task, row):
+    def timed_after(self, task, row, on_device):
         t = time.perf_counter()
         try:
-            return after(self, task, row)
+            return after(self, task, row, on_device)
         finally:
             cur["after"] = cur.get("after", 0.0) + time.perf_counter() - t
             acc["rows"] += 1
+            acc["device_rows"] += on_device
 
     def timed_step(self):
         cur.clear()
@@ -91,7 +102,13 @@ def measure(
     Context.decode, le.LlamaEngine._after_logits, le.LlamaEngine._step = timed_decode, timed_after, timed_step
     try:
         tok_s = engine_aggregate(
-            model, tasks, prompt, gen, n_gpu_layers=gpu_layers, threads=threads or THREADS
+            model,
+            tasks,
+            prompt,
+            gen,
+            n_gpu_layers=gpu_layers,
+            threads=threads or THREADS,
+            device_sampling=device_sampling,
         )
     finally:
         Context.decode, le.LlamaEngine._after_logits, le.LlamaEngine._step = decode, after, step
@@ -111,6 +128,7 @@ def measure(
         # CUDA graph captured again)
         "graph_reused": acc["reused"],
         "rows": acc["rows"],
+        "device_rows": acc["device_rows"],
         "decode_steps": len(dec),
         "decode_ms_per_step": round(ms["decode"], 3),
         "decode_ms_median": round(1000 * statistics.median(r["decode"] for r in dec), 3),
@@ -171,13 +189,22 @@ def main() -> None:
         "--threads", type=int, default=THREADS, help="llama.cpp CPU threads (default: every core)"
     )
     ap.add_argument("--bare", action="store_true", help="also time the same decodes without the engine")
+    ap.add_argument(
+        "--sampling",
+        choices=("default", "device", "host"),
+        default="default",
+        help="greedy tokens chosen in the graph (device) or on the host (default: the engine's choice)",
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.tasks < 1 or args.gen < 2 or args.prompt < 2:
         ap.error("--tasks must be >= 1, --gen and --prompt >= 2")
     if args.threads < 1:
         ap.error(f"--threads must be >= 1 (got {args.threads})")
-    res = measure(args.model, args.tasks, args.prompt, args.gen, args.gpu_layers, args.sync, args.threads)
+    device = {"default": None, "device": True, "host": False}[args.sampling]
+    res = measure(
+        args.model, args.tasks, args.prompt, args.gen, args.gpu_layers, args.sync, args.threads, device
+    )
     if args.bare:
         res["bare_decode_ms_per_step"] = bare_decode_ms(
             args.model, args.tasks, args.prompt, args.gen, args.gpu_layers, args.threads

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,9 @@ from orchestrator.types import SamplingParams
 
 KV_TYPES = {"f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "f32": 0}
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+# llama_token_data: token id, logit, probability
+TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+LLAMA_TOKEN_NULL = -1
 
 
 class _Owned:
@@ -228,6 +232,25 @@ class Context(_Owned):
         ptr = llama().llama_get_logits_ith(self._ptr, i)
         return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,))
 
+    def set_sampler(self, seq_id: int, sampler: DeviceGreedy | None) -> bool:
+        """Attach a backend sampler chain to `seq_id` (None detaches it); False when llama.cpp cannot
+        run it in the graph. Each call makes the next decode reserve the graphs again: attach once."""
+        return bool(llama().llama_set_sampler(self._ptr, seq_id, sampler.ptr if sampler else None))
+
+    def set_raw_logits(self, seq_id: int, raw: bool) -> None:
+        """Patch 0010: copy `seq_id`'s output rows to the host as raw logits although it has a
+        backend sampler (for tasks sampled on the host); changes no graph."""
+        if not _raw_logits_fn()(self._ptr, seq_id, raw):
+            n = self.params.n_seq_max
+            raise BackendError(f"mc_set_raw_logits refused sequence {seq_id} (a context of {n} sequences)")
+
+    def sampled_token(self, i: int) -> int:
+        """The token the backend sampler of row i's sequence chose in the last decode."""
+        token = int(llama().llama_get_sampled_token_ith(self._ptr, i))
+        if token == LLAMA_TOKEN_NULL:
+            raise BackendError(f"no backend-sampled token for output row {i}")
+        return token
+
     def clear(self) -> None:
         llama().llama_memory_clear(self.memory, True)
 
@@ -251,6 +274,17 @@ class Context(_Owned):
         """Restore a saved state into the (empty) sequence `seq_id`; False on failure."""
         ptr = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
         return llama().llama_state_seq_set_data(self._ptr, ptr, nbytes, seq_id) != 0
+
+
+@cache
+def _raw_logits_fn():
+    """mc_set_raw_logits (patch 0010) from the loaded libllama."""
+    fn = getattr(llama().llama_cpp._lib, "mc_set_raw_logits", None)
+    if fn is None:
+        raise BackendError("libllama lacks mc_set_raw_logits (patch 0010): run ggml-patches/build.py")
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_bool]
+    fn.restype = ctypes.c_bool
+    return fn
 
 
 class Batch(_Owned):
@@ -312,10 +346,50 @@ class Sampler(_Owned):
             add(lc.llama_sampler_init_temp(params.temperature))
             add(lc.llama_sampler_init_dist(params.seed if params.seed is not None else 0xFFFFFFFF))
         self._ptr = chain
+        self._cand: np.ndarray | None = None  # the candidates array handed to the chain, reused
+        self._ids: np.ndarray | None = None
 
     def _free(self, ptr) -> None:
         llama().llama_sampler_free(ptr)
 
-    def sample(self, ctx: Context, row: int) -> int:
-        """Sample (and accept) the next token from output row `row` of the last decode."""
-        return llama().llama_sampler_sample(self._ptr, ctx.ptr, row)
+    def sample(self, logits: np.ndarray) -> int:
+        """Sample (and accept) the next token from `logits` [n_vocab] (an output row of the last
+        decode, after the loop guard's penalty). llama_sampler_apply on these logits rather than
+        llama_sampler_sample: with backend samplers attached that one returns the device's token."""
+        lc = llama()
+        n = logits.shape[0]
+        if self._cand is None or self._cand.shape[0] != n:
+            self._cand = np.zeros(n, dtype=TOKEN_DATA)
+            self._ids = np.arange(n, dtype=np.int32)
+        cand = self._cand
+        cand["id"] = self._ids
+        cand["logit"] = logits
+        cand["p"] = 0.0
+        arr = lc.llama_token_data_array(
+            cand.ctypes.data_as(ctypes.POINTER(lc.llama_token_data)), n, -1, False
+        )
+        lc.llama_sampler_apply(self._ptr, ctypes.byref(arr))
+        if not 0 <= arr.selected < arr.size:
+            raise BackendError(f"the sampler chain selected no token (index {arr.selected} of {arr.size})")
+        token = int(arr.data[arr.selected].id)
+        lc.llama_sampler_accept(self._ptr, token)
+        return token
+
+
+class DeviceGreedy(_Owned):
+    """A chain of llama.cpp's greedy sampler, attached to a sequence of a Context for backend
+    sampling: the argmax of that sequence's logits runs in the graph (on the GPU with layers
+    there), and only the token id comes back (Context.sampled_token)."""
+
+    def __init__(self):
+        lc = llama()
+        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
+        self._ptr = chain
+
+    def _free(self, ptr) -> None:
+        llama().llama_sampler_free(ptr)
+
+    @property
+    def ptr(self):
+        return self._ptr

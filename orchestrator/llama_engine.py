@@ -22,7 +22,7 @@ from orchestrator import events as ev
 from orchestrator.backend import check_backend
 from orchestrator.chat_template import ChatTemplate
 from orchestrator.engine import Engine, ModelInfo, TaskReader, TextStream
-from orchestrator.llama import Batch, Context, ContextParams, Model, Sampler
+from orchestrator.llama import Batch, Context, ContextParams, DeviceGreedy, Model, Sampler
 from orchestrator.loop_guard import LoopGuard, LoopGuardConfig
 from orchestrator.residency import Residency
 from orchestrator.scheduler import Budget, Phase, schedule
@@ -52,6 +52,9 @@ class EngineConfig:
     max_sessions: int = 32  # finished conversations kept for reuse
     loop_guard: LoopGuardConfig = field(default_factory=LoopGuardConfig)
     max_queue: int = 256  # open tasks beyond which submit() refuses (HTTP 503)
+    # greedy tasks' argmax in the graph (llama.cpp backend sampling, patch 0010): only token ids
+    # come back instead of every row's logits; None: on when the layers run on a GPU
+    device_sampling: bool | None = None
 
 
 def context_from_settings(settings) -> ContextParams:
@@ -124,6 +127,7 @@ class EngineStats:
     pauses: int = 0
     resumes: int = 0
     loop_actions: int = 0
+    device_sampled: int = 0  # tokens chosen by the backend sampler in the graph
 
 
 class EngineBusy(InvalidRequest):
@@ -166,6 +170,11 @@ class LlamaEngine(Engine):
         self._outbox: list[tuple[TaskReader, TokenEvent | FinishEvent]] = []
         self._defer_events = n_gpu_layers != 0  # on the CPU llama_decode computes the step itself
         self._slot_view: list[dict] = []
+        self._greedy: list[DeviceGreedy] = []  # one backend greedy chain per sequence, attached once
+        self._raw: dict[int, bool] = {}  # sequence -> its rows come back as raw logits (patch 0010)
+        use_device = config.device_sampling if config.device_sampling is not None else n_gpu_layers != 0
+        if use_device:
+            self._attach_device_greedy(slots)
         self._last_throughput: dict = {}
         self._thread = threading.Thread(target=self._loop, name="mc-engine", daemon=True)
         self._thread.start()
@@ -195,6 +204,7 @@ class LlamaEngine(Engine):
             "mc_pauses_total": st.pauses,
             "mc_resumes_total": st.resumes,
             "mc_loop_guard_actions_total": st.loop_actions,
+            "mc_device_sampled_tokens_total": st.device_sampled,
             "mc_tokens_per_second": last.get("tok_s", 0.0),
             "mc_prefill_tokens_per_second": last.get("prefill_tok_s", 0.0),
             "mc_tasks_running": where.count("resident"),
@@ -248,6 +258,8 @@ class LlamaEngine(Engine):
         self.swap.close()
         self.batch.close()
         self.ctx.close()
+        for chain in self._greedy:  # after the context that used them
+            chain.close()
         self.model.close()
 
     def slots(self) -> list[dict]:
@@ -338,17 +350,47 @@ class LlamaEngine(Engine):
             return
         self._flush_outbox()  # the last step's tokens, while the device runs this one
         self.stats.steps += 1
-        for task, row in rows:
+        for task, row, on_device in rows:
             if task.id in self._tasks:
-                self._after_logits(task, row)
+                self._after_logits(task, row, on_device)
         self._maybe_throughput()
 
-    def _fill_batch(self, plan) -> list[tuple[Task, int]]:
+    def _attach_device_greedy(self, slots: int) -> None:
+        """A backend greedy chain on every sequence, once (each attach reserves the graphs again);
+        tasks sampled on the host then ask for raw logits per step (Context.set_raw_logits)."""
+        for seq in range(slots):
+            chain = DeviceGreedy()
+            self._greedy.append(chain)
+            if not self.ctx.set_sampler(seq, chain):
+                log.warning("no backend sampling (sequence %d): greedy tokens are chosen on the host", seq)
+                for s in range(seq + 1):
+                    self.ctx.set_sampler(s, None)
+                for c in self._greedy:
+                    c.close()
+                self._greedy = []
+                return
+            self._raw[seq] = False
+        log.info("greedy tasks sample on the device (backend sampling on %d sequences)", slots)
+
+    def _on_device(self, task: Task) -> bool:
+        """Whether this step's token of `task` is the argmax chosen in the graph; else its row comes
+        back as raw logits (sampling, logprobs, or a loop-guard penalty to apply first)."""
+        if not self._greedy:
+            return False
+        sp = task.request.sampling
+        on_device = sp.is_greedy and sp.logprobs is None and not task.guard.penalizing()
+        if self._raw[task.seq] == on_device:
+            self.ctx.set_raw_logits(task.seq, not on_device)
+            self._raw[task.seq] = not on_device
+        return on_device
+
+    def _fill_batch(self, plan) -> list[tuple[Task, int, bool]]:
         self.batch.clear()
         rows = []
         for tid in plan.decode:
             task = self._tasks[tid]
-            rows.append((task, self.batch.add(task.tokens[task.n_past], task.n_past, task.seq, True)))
+            row = self.batch.add(task.tokens[task.n_past], task.n_past, task.seq, True)
+            rows.append((task, row, self._on_device(task)))
             task.n_past += 1
             self.stats.decoded_tokens += 1
         for tid, n in plan.prefill.items():
@@ -358,25 +400,29 @@ class LlamaEngine(Engine):
                 last = pos == task.n_prompt - 1
                 row = self.batch.add(task.tokens[pos], pos, task.seq, last)
                 if last:
-                    rows.append((task, row))
+                    rows.append((task, row, self._on_device(task)))
             task.n_past += n
             self.stats.prefilled_tokens += n
             self._set_state(task, TaskState.PREFILLING)
         return rows
 
-    def _after_logits(self, task: Task, row: int) -> None:
+    def _after_logits(self, task: Task, row: int, on_device: bool) -> None:
         try:
             sp = task.request.sampling
-            logits = self.ctx.logits(row)
-            raw = logits.copy() if sp.logprobs is not None else None  # logprobs of the model itself
-            task.guard.apply(logits)
-            if sp.is_greedy:  # argmax here: llama.cpp's chain would sort the whole vocabulary
-                token = int(logits.argmax())
+            if on_device:  # the argmax ran in the graph
+                token, logprob = self.ctx.sampled_token(row), None
+                self.stats.device_sampled += 1
             else:
-                if task.sampler is None:
-                    task.sampler = Sampler(sp, self.model.n_vocab)
-                token = task.sampler.sample(self.ctx, row)
-            logprob = top_logprobs(raw, token, sp.logprobs) if raw is not None else None
+                logits = self.ctx.logits(row)
+                raw = logits.copy() if sp.logprobs is not None else None  # logprobs of the model itself
+                task.guard.apply(logits)
+                if sp.is_greedy:  # argmax here: llama.cpp's chain would sort the whole vocabulary
+                    token = int(logits.argmax())
+                else:
+                    if task.sampler is None:
+                        task.sampler = Sampler(sp, self.model.n_vocab)
+                    token = task.sampler.sample(logits)
+                logprob = top_logprobs(raw, token, sp.logprobs) if raw is not None else None
             task.tokens.append(token)
             task.n_generated += 1
             self._set_state(task, TaskState.DECODING)

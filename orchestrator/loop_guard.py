@@ -157,9 +157,13 @@ class LoopGuard:
         self.penalty, self.tokens, self._active = 1.0, np.empty(0, dtype=np.int64), 0
         return GuardAction("relax", 0, 1.0)
 
+    def penalizing(self) -> bool:
+        """Whether `apply()` changes the next logits (a penalty is in force on some tokens)."""
+        return self.penalty > 1.0 and self.tokens.size > 0
+
     def apply(self, logits: np.ndarray) -> None:
         """Penalize the looping tokens in `logits` [n_vocab] in place."""
-        if self.penalty <= 1.0 or self.tokens.size == 0:
+        if not self.penalizing():
             return
         sel = logits[self.tokens]
         logits[self.tokens] = np.where(sel > 0, sel / self.penalty, sel * self.penalty)

@@ -49,6 +49,12 @@ def main() -> None:
     # the same with the device synchronized inside the decode timer: 'after' is then host work alone
     res["steps_12_sync"] = measure(args.model, 12, 128, 128, 999, sync=True)
     print(f"engine steps, 12 tasks, synchronized: {res['steps_12_sync']}", flush=True)
+    # greedy tokens chosen on the host from the copied logits (the engine's default on a GPU chooses
+    # them in the graph, patch 0010): the same two figures
+    res["steps_12_host"] = measure(args.model, 12, 128, 128, 999, sync=False, device_sampling=False)
+    print(f"engine steps, 12 tasks, host sampling: {res['steps_12_host']}", flush=True)
+    res["steps_12_sync_host"] = measure(args.model, 12, 128, 128, 999, sync=True, device_sampling=False)
+    print(f"engine steps, 12 tasks, synchronized, host sampling: {res['steps_12_sync_host']}", flush=True)
     # the same with 4 llama.cpp CPU threads (mc_gpu_bench's default) against every core
     res["steps_12_sync_t4"] = measure(args.model, 12, 128, 128, 999, sync=True, threads=4)
     print(f"engine steps, 12 tasks, synchronized, 4 threads: {res['steps_12_sync_t4']}", flush=True)

@@ -1,6 +1,6 @@
 """bench/engine_steps.py: an engine run on the tiny qwen35 with its steps timed (decode call, host work
 after the logits, the rest) writes its JSON and table, and every generated token passes the timers;
---bare also times the same decodes without the engine."""
+--bare also times the same decodes without the engine; --sampling device chooses the tokens in the graph."""
 
 from __future__ import annotations
 
@@ -32,7 +32,14 @@ def test_engine_steps_times_every_step(tiny_qwen35_path, tmp_path):
     assert 0 <= res["graph_reused"] < res["decodes"]  # the first step builds its graph
     assert res["cuda_graph_log"] == {}  # no CUDA here: no CUDA-graph messages
     assert res["bare_decode_ms_per_step"] > 0  # the same decodes without the engine
+    assert res["device_rows"] == 0  # on the CPU the engine chooses greedy tokens on the host
     assert "decode ms" in run.stdout
+    # --sampling device: every token's argmax ran in the graph (backend sampling, patch 0010)
+    run = subprocess.run([*cmd[:-3], "--sampling", "device", "--json", str(out)], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["rows"] == res["device_rows"] == 3 * 6
 
 
 def test_engine_steps_rejects_bad_counts(tmp_path):

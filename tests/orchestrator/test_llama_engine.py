@@ -25,8 +25,10 @@ def make_engine(path, n_ctx=2048, slots=4, **kw) -> LlamaEngine:
 
 
 def greedy(engine, prompt, n=24, **kw) -> GenerationRequest:
+    """A request of n tokens; greedy unless `kw` sets a temperature."""
     tokens = engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-    return GenerationRequest(tuple(tokens), SamplingParams(temperature=0.0, max_tokens=n, **kw))
+    kw.setdefault("temperature", 0.0)
+    return GenerationRequest(tuple(tokens), SamplingParams(max_tokens=n, **kw))
 
 
 def run_tokens(reader) -> list[int]:
@@ -248,3 +250,62 @@ def test_events_handed_over_after_the_next_decode_arrive_whole_and_in_order(gemm
         finally:
             engine.close()
     assert alone[0] == alone[99] and len(alone[0]) == 30
+
+
+def _tokens_alone(path, device: bool, requests) -> tuple[list[list[int]], list, int]:
+    """Each request run alone (so every engine decodes the same batches), in an engine that samples
+    greedy tasks in the graph (device) or on the host; the tokens, finishes and device-sampled count."""
+    engine = make_engine(path, device_sampling=device)
+    try:
+        assert bool(engine._greedy) is device
+        runs, finishes = [], []
+        for make in requests:
+            reader = engine.submit(make(engine))
+            runs.append(run_tokens(reader))
+            finishes.append(reader.finish)
+        return runs, finishes, engine.stats.device_sampled
+    finally:
+        engine.close()
+
+
+def test_greedy_tokens_chosen_in_the_graph_are_the_host_argmax(gemma_path):
+    """Backend sampling (patch 0010): a greedy task's argmax runs in the graph and only its token
+    comes back. The tokens equal the host's argmax of the copied logits, for a prompt and for a
+    greedy loop whose guard penalty steps go back to the host (raw logits) and return; a seeded
+    sampled task and a logprobs task are sampled on the host from their raw logits in both engines."""
+    loop = dict(n=400)  # gemma's greedy loop on this prompt (test_loop_guard): penalty steps, then a stop
+    requests = [
+        lambda e: greedy(e, "Once upon a time", 40),
+        lambda e: greedy(e, "The capital of France is", **loop),
+        lambda e: greedy(e, "def fib(n):", 12, temperature=1.5, seed=7),
+        lambda e: greedy(e, "The best way to cook rice is", 8, logprobs=2),
+    ]
+    host, host_fin, host_dev = _tokens_alone(gemma_path, False, requests)
+    dev, dev_fin, dev_sampled = _tokens_alone(gemma_path, True, requests)
+    assert dev == host and [f.reason for f in dev_fin] == [f.reason for f in host_fin]
+    assert host_dev == 0
+    assert host[1] != host[0] and len(host[2]) == 12 and len(host[3]) == 8
+    # every token of the two plain greedy runs but the loop's penalty steps came from the graph
+    greedy_tokens = len(dev[0]) + len(dev[1]) + (dev_fin[1].reason is not StopReason.LENGTH)
+    assert 40 < dev_sampled < greedy_tokens, (dev_sampled, greedy_tokens)
+
+
+def test_device_and_host_sampled_tasks_share_a_batch(gemma_path):
+    """Greedy tasks sampled in the graph beside tasks that need raw logits (sampling, logprobs) in
+    the same steps: each gets its own kind of token, and only the greedy ones count as device-sampled."""
+    engine = make_engine(gemma_path, device_sampling=True)
+    try:
+        readers = [
+            engine.submit(greedy(engine, PROMPTS[0], 20)),
+            engine.submit(greedy(engine, PROMPTS[1], 20, temperature=1.0, seed=3)),
+            engine.submit(greedy(engine, PROMPTS[2], 20, logprobs=1)),
+            engine.submit(greedy(engine, PROMPTS[3], 20)),
+        ]
+        events = [list(r) for r in readers]
+        for evs in events:
+            assert evs[-1].reason is StopReason.LENGTH and len(run_tokens(iter(evs))) == 20
+        assert all(e.logprob is not None for e in events[2] if isinstance(e, TokenEvent))
+        assert engine.stats.device_sampled == 40
+        assert engine.metrics()["mc_device_sampled_tokens_total"] == 40
+    finally:
+        engine.close()
