@@ -81,6 +81,21 @@ def test_the_cached_rms_norm_compiles(patched, arch, tmp_path):
     assert "MegaCapybara (the cached rms_norm, default; MC_NORM_PREFETCH=0 off)" in tests
 
 
+@pytest.mark.parametrize("arch", ["90", "120"])
+def test_the_split_argmax_compiles(patched, arch, tmp_path):
+    """Patch 0011: argmax of long rows over many blocks (a block's share, then a warp a row) compiles
+    for sm_90 / sm_120 without spills, beside the stock kernel; its test-backend-ops cases (248,320
+    and 151,936 columns, 1 and 12 rows, and both sides of the split threshold) are in the tree."""
+    out = compile_cuda(patched, "argmax.cu", arch, tmp_path, "-Xptxas", "-v")
+    assert out.returncode == 0, out.stderr[-3000:]
+    for name in ("_Z15mc_argmax_parts", "_Z15mc_argmax_final", "_Z10argmax_f32"):
+        assert f"Compiling entry function '{name}" in out.stderr, name
+    spills = re.findall(r"(\d+) bytes spill stores", out.stderr)
+    assert spills and set(spills) == {"0"}, spills
+    tests = (patched / "tests/test-backend-ops.cpp").read_text()
+    assert "for (int64_t ne0 : { 248320, 151936, 16384, 16383 })" in tests
+
+
 def test_the_patched_ggml_cuda_compiles(patched, tmp_path):
     """ggml-cuda.cu with the series' hunks (the mc-mmv dispatch before mul_mat_q, the grouping's
     reorder and launch, the next-weights hints) compiles for sm_90, ~20 s here; mmvq.cu's six-line
