@@ -66,9 +66,13 @@ def engine_aggregate(
     n_gpu_layers: int = 0,
     threads: int = THREADS,
     device_sampling: bool | None = None,
+    temperature: float = 0.0,
+    sampling_threads: int = 0,
 ) -> float:
-    """Generated tokens per second over the decode phase, all tasks together (greedy; sampled in the
-    graph or on the host per `device_sampling`, None: the engine's default)."""
+    """Generated tokens per second over the decode phase, all tasks together. Greedy (chosen in the
+    graph or on the host per `device_sampling`, None: the engine's default), or with `temperature`
+    > 0 sampled on the host with the default chain (top-k 40, top-p 0.95, min-p 0.05), task i with
+    seed i, on `sampling_threads` (0: the engine's default)."""
     ctx = engine_context(n_tasks, n_prompt, n_gen, threads)
     cfg = EngineConfig(
         context=ctx,
@@ -76,12 +80,17 @@ def engine_aggregate(
         loop_guard=LoopGuardConfig(enabled=False),
         max_sessions=0,
         device_sampling=device_sampling,
+        sampling_threads=sampling_threads,
     )
     engine = LlamaEngine(str(model), cfg, n_gpu_layers)
     try:
-        sp = SamplingParams(temperature=0.0, max_tokens=n_gen)
         prompts = task_prompts(engine.tokenize, n_tasks, n_prompt)
-        readers = [engine.submit(GenerationRequest(tuple(p), sp)) for p in prompts]
+        readers = [
+            engine.submit(
+                GenerationRequest(tuple(p), SamplingParams(temperature=temperature, max_tokens=n_gen, seed=i))
+            )
+            for i, p in enumerate(prompts)
+        ]
         stamps = [[] for _ in readers]  # arrival time of each token, read by one thread per task
 
         def drain(i: int) -> None:

@@ -5,7 +5,7 @@ the host work after the logits (sampling, detokenizing, handing tokens to the re
 
     python3 bench/engine_steps.py MODEL.gguf [--tasks 12] [--prompt 64] [--gen 128] [--gpu-layers 0]
                                   [--sync] [--threads N] [--bare] [--sampling default|device|host]
-                                  [--json OUT.json]
+                                  [--temperature T] [--sampling-threads N] [--json OUT.json]
 
 On a GPU build llama_decode returns when the step is queued, so the first logits read waits for the
 device: there the 'after' figure holds that wait (set --sync to synchronize inside the decode timer).
@@ -37,12 +37,15 @@ def measure(
     sync: bool,
     threads: int = 0,
     device_sampling: bool | None = None,
+    temperature: float = 0.0,
+    sampling_threads: int = 0,
 ) -> dict:
     """Runs engine_aggregate with the engine's step, decode and per-token work timed. The per-step
     figures are over the decode steps alone (one token for each of the tasks: the steady state);
     the prompts' prefill decodes are counted apart (`prefill_decodes`, `prefill_ms`). Greedy tokens
     are chosen in the graph or on the host per `device_sampling` (None: the engine's default);
-    `device_rows` counts the rows whose token came from the graph."""
+    `device_rows` counts the rows whose token came from the graph. With `temperature` > 0 the tasks
+    are sampled on the host (engine_aggregate), on `sampling_threads` (0: the engine's default)."""
     import statistics
 
     import orchestrator.llama_engine as le
@@ -52,7 +55,7 @@ def measure(
     acc: Counter = Counter()
     steps: list[dict] = []  # one record a step: its decode's tokens, decode / after-logits / step seconds
     cur: dict = {}
-    decode, after, step = Context.decode, le.LlamaEngine._after_logits, le.LlamaEngine._step
+    decode, after, step = Context.decode, le.LlamaEngine._after_decode, le.LlamaEngine._step
     perf = llama().llama_perf_context
 
     def timed_decode(self, batch):
@@ -67,14 +70,14 @@ def measure(
         acc["reused"] += reused > acc["reused_seen"]
         acc["reused_seen"] = reused
 
-    def timed_after(self, task, row, on_device):
+    def timed_after(self, rows):
         t = time.perf_counter()
         try:
-            return after(self, task, row, on_device)
+            return after(self, rows)
         finally:
             cur["after"] = cur.get("after", 0.0) + time.perf_counter() - t
-            acc["rows"] += 1
-            acc["device_rows"] += on_device
+            acc["rows"] += len(rows)
+            acc["device_rows"] += sum(on_device for _, _, on_device in rows)
 
     def timed_step(self):
         cur.clear()
@@ -99,7 +102,7 @@ def measure(
     level = native.level
     native.setLevel(logging.DEBUG)
     native.addHandler(handler)
-    Context.decode, le.LlamaEngine._after_logits, le.LlamaEngine._step = timed_decode, timed_after, timed_step
+    Context.decode, le.LlamaEngine._after_decode, le.LlamaEngine._step = timed_decode, timed_after, timed_step
     try:
         tok_s = engine_aggregate(
             model,
@@ -109,9 +112,11 @@ def measure(
             n_gpu_layers=gpu_layers,
             threads=threads or THREADS,
             device_sampling=device_sampling,
+            temperature=temperature,
+            sampling_threads=sampling_threads,
         )
     finally:
-        Context.decode, le.LlamaEngine._after_logits, le.LlamaEngine._step = decode, after, step
+        Context.decode, le.LlamaEngine._after_decode, le.LlamaEngine._step = decode, after, step
         native.removeHandler(handler)
         native.setLevel(level)
     dec = [r for r in steps if r["tokens"] == tasks] or steps  # the decode steps (all, if none is pure)
@@ -127,6 +132,8 @@ def measure(
         # decodes that reused the previous step's graph (else: built, allocated and, on a GPU, its
         # CUDA graph captured again)
         "graph_reused": acc["reused"],
+        "temperature": temperature,
+        "sampling_threads": sampling_threads,
         "rows": acc["rows"],
         "device_rows": acc["device_rows"],
         "decode_steps": len(dec),
@@ -195,15 +202,34 @@ def main() -> None:
         default="default",
         help="greedy tokens chosen in the graph (device) or on the host (default: the engine's choice)",
     )
+    ap.add_argument(
+        "--temperature", type=float, default=0.0, help="> 0: sampled tasks (top-k 40, top-p 0.95, min-p 0.05)"
+    )
+    ap.add_argument(
+        "--sampling-threads", type=int, default=0, help="threads for sampler chains (0: the engine's)"
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.tasks < 1 or args.gen < 2 or args.prompt < 2:
         ap.error("--tasks must be >= 1, --gen and --prompt >= 2")
     if args.threads < 1:
         ap.error(f"--threads must be >= 1 (got {args.threads})")
+    if not 0.0 <= args.temperature <= 5.0:
+        ap.error(f"--temperature must be between 0 and 5 (got {args.temperature})")
+    if args.sampling_threads < 0:
+        ap.error(f"--sampling-threads must be >= 0 (got {args.sampling_threads})")
     device = {"default": None, "device": True, "host": False}[args.sampling]
     res = measure(
-        args.model, args.tasks, args.prompt, args.gen, args.gpu_layers, args.sync, args.threads, device
+        args.model,
+        args.tasks,
+        args.prompt,
+        args.gen,
+        args.gpu_layers,
+        args.sync,
+        args.threads,
+        device,
+        args.temperature,
+        args.sampling_threads,
     )
     if args.bare:
         res["bare_decode_ms_per_step"] = bare_decode_ms(

@@ -12,11 +12,15 @@ pressure), so a next turn that extends one prefills only its new tokens.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from orchestrator import events as ev
 from orchestrator.backend import check_backend
@@ -55,6 +59,10 @@ class EngineConfig:
     # greedy tasks' argmax in the graph (llama.cpp backend sampling, patch 0010): only token ids
     # come back instead of every row's logits; None: on when the layers run on a GPU
     device_sampling: bool | None = None
+    # threads that run several tasks' sampler chains at once (llama.cpp's calls release the GIL): a
+    # chain takes ~1 ms a token over 248,320 logits (top-k 40), so 12 sampled tasks in a row would
+    # add ~12 ms to every step; 0: min(slots, CPU cores); 1: one after the other on the engine thread
+    sampling_threads: int = 0
 
 
 def context_from_settings(settings) -> ContextParams:
@@ -175,6 +183,10 @@ class LlamaEngine(Engine):
         use_device = config.device_sampling if config.device_sampling is not None else n_gpu_layers != 0
         if use_device:
             self._attach_device_greedy(slots)
+        if config.sampling_threads < 0:
+            raise ValueError(f"sampling_threads: must be >= 0 (got {config.sampling_threads})")
+        n_pick = config.sampling_threads or min(slots, os.cpu_count() or 1)
+        self._pick_pool = ThreadPoolExecutor(n_pick, thread_name_prefix="mc-sample") if n_pick > 1 else None
         self._last_throughput: dict = {}
         self._thread = threading.Thread(target=self._loop, name="mc-engine", daemon=True)
         self._thread.start()
@@ -255,6 +267,8 @@ class LlamaEngine(Engine):
         if self._thread.is_alive():
             self._inbox.put(("stop", None, None))
             self._thread.join()
+        if self._pick_pool is not None:
+            self._pick_pool.shutdown(wait=True)
         self.swap.close()
         self.batch.close()
         self.ctx.close()
@@ -350,9 +364,7 @@ class LlamaEngine(Engine):
             return
         self._flush_outbox()  # the last step's tokens, while the device runs this one
         self.stats.steps += 1
-        for task, row, on_device in rows:
-            if task.id in self._tasks:
-                self._after_logits(task, row, on_device)
+        self._after_decode(rows)
         self._maybe_throughput()
 
     def _attach_device_greedy(self, slots: int) -> None:
@@ -406,23 +418,61 @@ class LlamaEngine(Engine):
             self._set_state(task, TaskState.PREFILLING)
         return rows
 
-    def _after_logits(self, task: Task, row: int, on_device: bool) -> None:
+    def _after_decode(self, rows: list[tuple[Task, int, bool]]) -> None:
+        """Each output row's token, then each task takes its own in batch order. A token comes from
+        the graph (greedy on the device), an argmax on the host, or the task's sampler chain; the
+        chains of two or more tasks run at once on the sampling threads. The logits rows are fetched
+        here first (llama_get_logits_ith is not thread-safe); they stay valid until the next decode."""
+        picks: dict[int, tuple[int, dict | None] | Exception] = {}
+        chained: list[tuple[Task, np.ndarray]] = []
+        for task, row, on_device in rows:
+            if task.id not in self._tasks:
+                continue
+            try:
+                if on_device:  # the argmax ran in the graph
+                    picks[task.id] = (self.ctx.sampled_token(row), None)
+                    self.stats.device_sampled += 1
+                    continue
+                logits = self.ctx.logits(row)
+                sp = task.request.sampling
+                if sp.is_greedy:  # an argmax: cheaper here than a thread's hand-over
+                    picks[task.id] = self._pick(task, logits)
+                    continue
+                if task.sampler is None:
+                    task.sampler = Sampler(sp, self.model.n_vocab)
+                chained.append((task, logits))
+            except Exception as exc:
+                picks[task.id] = exc
+        if self._pick_pool is not None and len(chained) > 1:
+            futures = [(task, self._pick_pool.submit(self._pick, task, logits)) for task, logits in chained]
+            for task, fut in futures:
+                picks[task.id] = fut.result()
+        else:
+            for task, logits in chained:
+                picks[task.id] = self._pick(task, logits)
+        for task, _, _ in rows:
+            if task.id in picks and task.id in self._tasks:
+                self._take(task, picks[task.id])
+
+    @staticmethod
+    def _pick(task: Task, logits: np.ndarray) -> tuple[int, dict | None] | Exception:
+        """A host-sampled task's token (and logprobs) from its logits row; any thread, one task each."""
         try:
             sp = task.request.sampling
-            if on_device:  # the argmax ran in the graph
-                token, logprob = self.ctx.sampled_token(row), None
-                self.stats.device_sampled += 1
-            else:
-                logits = self.ctx.logits(row)
-                raw = logits.copy() if sp.logprobs is not None else None  # logprobs of the model itself
-                task.guard.apply(logits)
-                if sp.is_greedy:  # argmax here: llama.cpp's chain would sort the whole vocabulary
-                    token = int(logits.argmax())
-                else:
-                    if task.sampler is None:
-                        task.sampler = Sampler(sp, self.model.n_vocab)
-                    token = task.sampler.sample(logits)
-                logprob = top_logprobs(raw, token, sp.logprobs) if raw is not None else None
+            raw = logits.copy() if sp.logprobs is not None else None  # logprobs of the model itself
+            task.guard.apply(logits)
+            # greedy: an argmax here (llama.cpp's greedy chain would sort the whole vocabulary)
+            token = int(logits.argmax()) if sp.is_greedy else task.sampler.sample(logits)
+            return token, (top_logprobs(raw, token, sp.logprobs) if raw is not None else None)
+        except Exception as exc:
+            return exc
+
+    def _take(self, task: Task, pick: tuple[int, dict | None] | Exception) -> None:
+        try:
+            if isinstance(pick, Exception):
+                raise pick
+            token, logprob = pick
+            sp = task.request.sampling
             task.tokens.append(token)
             task.n_generated += 1
             self._set_state(task, TaskState.DECODING)

@@ -33,17 +33,31 @@ def main() -> None:
     ap.add_argument("--depths", default="8192,32768")
     ap.add_argument("--breakdown", default="32768", help="depths at which to time the llama.cpp calls alone")
     ap.add_argument("--prealloc-mb", type=int, default=3072, help="swap arena reserved at start (0: none)")
+    ap.add_argument(
+        "--sampled-only",
+        action="store_true",
+        help="only the 12-task step with sampled tasks (temperature 0.8), sampler chains one after the "
+        "other and on the sampling threads",
+    )
     args = ap.parse_args()
     res: dict = {"git_commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "model": str(args.model)}
     res["numa"] = numa.describe(0)
     print(f"numa: {res['numa']}", flush=True)
+    from bench.engine_steps import measure
+
+    # sampled tasks (top-k 40, top-p 0.95, min-p 0.05): their chains run on the host from the logits
+    for name, threads in (("steps_12_sampled_serial", 1), ("steps_12_sampled_pool", 0)):
+        fig = measure(args.model, 12, 128, 128, 999, sync=True, temperature=0.8, sampling_threads=threads)
+        res[name] = fig
+        print(f"engine steps, 12 sampled tasks, synchronized, sampling threads {threads}: {fig}", flush=True)
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    if args.sampled_only:
+        return
     for n in [int(t) for t in args.tasks.split(",") if t and t != "none"]:
         res[f"agg_tok_s_{n}"] = engine_aggregate(args.model, n, 128, 128, n_gpu_layers=999)
         print(f"engine, {n:>2} tasks: {res[f'agg_tok_s_{n}']:.1f} tok/s", flush=True)
         Path(args.json).write_text(json.dumps(res, indent=2))
     # where a 12-task engine step goes (the decode call, the host work after the logits, the rest)
-    from bench.engine_steps import measure
-
     res["steps_12"] = measure(args.model, 12, 128, 128, 999, sync=False)
     print(f"engine steps, 12 tasks: {res['steps_12']}", flush=True)
     # the same with the device synchronized inside the decode timer: 'after' is then host work alone
