@@ -331,6 +331,7 @@ class Sampler(_Owned):
         if params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
             add(
                 lc.llama_sampler_init_penalties(
+                    n_vocab,  # this llama.cpp's signature starts with the vocabulary size
                     params.repeat_last_n,
                     params.repeat_penalty,
                     params.frequency_penalty,
@@ -390,14 +391,17 @@ class Sampler(_Owned):
 
     def _top_k_superset(self, logits: np.ndarray) -> np.ndarray | None:
         """Token ids (ascending) of every logit >= t, where t is the k-th largest of the maxima of
-        256-logit blocks: k blocks reach t, so at least k logits do, and the top k of these is the
-        top k of all (up to ties at the k-th logit): the chain's result is the same. None (the whole
-        vocabulary) when there are fewer blocks than k, or t is not finite (NaN, -inf)."""
+        n groups of 256 logits (group j: j, j + n, j + 2n, ...; one vectorized maximum over 256 rows
+        of n): k groups reach t, so at least k logits do, and the top k of these is the top k of
+        all (up to ties at the k-th logit): the chain's result is the same. None (the whole
+        vocabulary) when there are fewer groups than k, a group holds a NaN, or t is -inf."""
         k, n = self._k, logits.shape[0] // 256
         if n < k:
             return None
-        block_max = logits[: n * 256].reshape(n, 256).max(axis=1)
-        t = float(np.partition(block_max, n - k)[n - k])
+        group_max = logits[: n * 256].reshape(256, n).max(axis=0)
+        if np.isnan(group_max).any():  # NaN sorts above every number: no k groups are known to reach t
+            return None
+        t = float(np.partition(group_max, n - k)[n - k])
         if not np.isfinite(t):
             return None
         return np.flatnonzero(logits >= t).astype(np.int32)

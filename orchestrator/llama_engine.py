@@ -59,9 +59,10 @@ class EngineConfig:
     # greedy tasks' argmax in the graph (llama.cpp backend sampling, patch 0010): only token ids
     # come back instead of every row's logits; None: on when the layers run on a GPU
     device_sampling: bool | None = None
-    # threads that run several tasks' sampler chains at once (llama.cpp's calls release the GIL): a
-    # chain takes ~1 ms a token over 248,320 logits (top-k 40), so 12 sampled tasks in a row would
-    # add ~12 ms to every step; 0: min(slots, CPU cores); 1: one after the other on the engine thread
+    # threads that run several tasks' sampler chains at once (llama.cpp's calls and numpy's large
+    # loops release the GIL). H200 host (32 cores), 12 sampled tasks: 4.53 against 5.11 ms of host
+    # work a step; a 2-core CPU: 5.7 against 5.0 ms (slower). 0: min(slots, CPU cores) with at least 4
+    # cores, else 1; 1: one after the other on the engine thread
     sampling_threads: int = 0
 
 
@@ -185,7 +186,8 @@ class LlamaEngine(Engine):
             self._attach_device_greedy(slots)
         if config.sampling_threads < 0:
             raise ValueError(f"sampling_threads: must be >= 0 (got {config.sampling_threads})")
-        n_pick = config.sampling_threads or min(slots, os.cpu_count() or 1)
+        cores = os.cpu_count() or 1
+        n_pick = config.sampling_threads or (min(slots, cores) if cores >= 4 else 1)
         self._pick_pool = ThreadPoolExecutor(n_pick, thread_name_prefix="mc-sample") if n_pick > 1 else None
         self._last_throughput: dict = {}
         self._thread = threading.Thread(target=self._loop, name="mc-engine", daemon=True)

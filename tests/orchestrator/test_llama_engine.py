@@ -309,3 +309,14 @@ def test_device_and_host_sampled_tasks_share_a_batch(gemma_path):
         assert engine.metrics()["mc_device_sampled_tokens_total"] == 40
     finally:
         engine.close()
+
+
+def test_penalties_and_top_k_free_chains_sample(gemma_engine):
+    """A chain with repetition / presence penalties (llama.cpp's penalties sampler, whose signature
+    here starts with the vocabulary size) and one without top-k both generate their tokens."""
+    penalties = dict(repeat_penalty=1.3, presence_penalty=0.5, seed=1)
+    penalized = gemma_engine.submit(greedy(gemma_engine, PROMPTS[1], 16, temperature=0.7, **penalties))
+    no_top_k = gemma_engine.submit(greedy(gemma_engine, PROMPTS[0], 16, temperature=0.7, top_k=0, seed=2))
+    for reader in (penalized, no_top_k):
+        events = list(reader)
+        assert events[-1].reason is StopReason.LENGTH and len(run_tokens(iter(events))) == 16
