@@ -68,11 +68,13 @@ def engine_aggregate(
     device_sampling: bool | None = None,
     temperature: float = 0.0,
     sampling_threads: int = 0,
+    device_sampler: str = "greedy",
 ) -> float:
     """Generated tokens per second over the decode phase, all tasks together. Greedy (chosen in the
     graph or on the host per `device_sampling`, None: the engine's default), or with `temperature`
     > 0 sampled on the host with the default chain (top-k 40, top-p 0.95, min-p 0.05), task i with
-    seed i, on `sampling_threads` (0: the engine's default)."""
+    seed i, on `sampling_threads` (0: the engine's default); `device_sampler` "mc": patch 0012's
+    sampler in the graph for greedy and sampled tasks."""
     ctx = engine_context(n_tasks, n_prompt, n_gen, threads)
     cfg = EngineConfig(
         context=ctx,
@@ -81,6 +83,7 @@ def engine_aggregate(
         max_sessions=0,
         device_sampling=device_sampling,
         sampling_threads=sampling_threads,
+        device_sampler=device_sampler,
     )
     engine = LlamaEngine(str(model), cfg, n_gpu_layers)
     try:

@@ -5,7 +5,8 @@ the host work after the logits (sampling, detokenizing, handing tokens to the re
 
     python3 bench/engine_steps.py MODEL.gguf [--tasks 12] [--prompt 64] [--gen 128] [--gpu-layers 0]
                                   [--sync] [--threads N] [--bare] [--sampling default|device|host]
-                                  [--temperature T] [--sampling-threads N] [--json OUT.json]
+                                  [--temperature T] [--sampling-threads N] [--sampler greedy|mc]
+                                  [--json OUT.json]
 
 On a GPU build llama_decode returns when the step is queued, so the first logits read waits for the
 device: there the 'after' figure holds that wait (set --sync to synchronize inside the decode timer).
@@ -39,13 +40,15 @@ def measure(
     device_sampling: bool | None = None,
     temperature: float = 0.0,
     sampling_threads: int = 0,
+    device_sampler: str = "greedy",
 ) -> dict:
     """Runs engine_aggregate with the engine's step, decode and per-token work timed. The per-step
     figures are over the decode steps alone (one token for each of the tasks: the steady state);
     the prompts' prefill decodes are counted apart (`prefill_decodes`, `prefill_ms`). Greedy tokens
     are chosen in the graph or on the host per `device_sampling` (None: the engine's default);
     `device_rows` counts the rows whose token came from the graph. With `temperature` > 0 the tasks
-    are sampled on the host (engine_aggregate), on `sampling_threads` (0: the engine's default)."""
+    are sampled on the host (engine_aggregate), on `sampling_threads` (0: the engine's default), or in
+    the graph with `device_sampler` "mc" (patch 0012)."""
     import statistics
 
     import orchestrator.llama_engine as le
@@ -114,6 +117,7 @@ def measure(
             device_sampling=device_sampling,
             temperature=temperature,
             sampling_threads=sampling_threads,
+            device_sampler=device_sampler,
         )
     finally:
         Context.decode, le.LlamaEngine._after_decode, le.LlamaEngine._step = decode, after, step
@@ -134,6 +138,7 @@ def measure(
         "graph_reused": acc["reused"],
         "temperature": temperature,
         "sampling_threads": sampling_threads,
+        "device_sampler": device_sampler,
         "rows": acc["rows"],
         "device_rows": acc["device_rows"],
         "decode_steps": len(dec),
@@ -208,6 +213,9 @@ def main() -> None:
     ap.add_argument(
         "--sampling-threads", type=int, default=0, help="threads for sampler chains (0: the engine's)"
     )
+    ap.add_argument(
+        "--sampler", choices=("greedy", "mc"), default="greedy", help="what runs in the graph (mc: 0012)"
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.tasks < 1 or args.gen < 2 or args.prompt < 2:
@@ -230,6 +238,7 @@ def main() -> None:
         device,
         args.temperature,
         args.sampling_threads,
+        args.sampler,
     )
     if args.bare:
         res["bare_decode_ms_per_step"] = bare_decode_ms(

@@ -287,6 +287,22 @@ def _raw_logits_fn():
     return fn
 
 
+@cache
+def _mc_sample_fns() -> dict:
+    """mc_sample_init / mc_sample_set / mc_sample_max_k (patch 0012) from the loaded libllama."""
+    lib = llama().llama_cpp._lib
+    if getattr(lib, "mc_sample_init", None) is None:
+        raise BackendError("libllama lacks mc_sample_init (patch 0012): run ggml-patches/build.py")
+    smpl_p = llama().llama_sampler_p_ctypes  # llama_cpp's struct llama_sampler *
+    lib.mc_sample_init.argtypes, lib.mc_sample_init.restype = [ctypes.c_uint32], smpl_p
+    lib.mc_sample_max_k.argtypes, lib.mc_sample_max_k.restype = [], ctypes.c_int32
+    f32 = ctypes.c_float
+    u32 = ctypes.c_uint32
+    lib.mc_sample_set.argtypes = [smpl_p, f32, ctypes.c_int32, f32, f32, u32, u32]
+    lib.mc_sample_set.restype = ctypes.c_bool
+    return {"init": lib.mc_sample_init, "max_k": lib.mc_sample_max_k, "set": lib.mc_sample_set}
+
+
 class Batch(_Owned):
     """A llama_batch of up to `capacity` tokens, each for one sequence."""
 
@@ -405,6 +421,47 @@ class Sampler(_Owned):
         if not np.isfinite(t):
             return None
         return np.flatnonzero(logits >= t).astype(np.int32)
+
+
+class DeviceSampler(_Owned):
+    """Patch 0012's backend sampler (mc_sample) in a chain, attached to a sequence for good: top-k
+    (at most `max_k()`), top-p, min-p, temperature and the draw run in the graph, with the parameters
+    of whichever task holds the sequence set between decodes (`set`); temperature 0 is the argmax."""
+
+    def __init__(self, seed: int = 0):
+        lc, fn = llama(), _mc_sample_fns()
+        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        lc.llama_sampler_chain_add(chain, fn["init"](seed))
+        self._ptr = chain
+        self._inner = lc.llama_sampler_chain_get(chain, 0)
+
+    def _free(self, ptr) -> None:
+        llama().llama_sampler_free(ptr)
+
+    @property
+    def ptr(self):
+        return self._ptr
+
+    @staticmethod
+    def max_k() -> int:
+        return int(_mc_sample_fns()["max_k"]())
+
+    @classmethod
+    def takes(cls, params: SamplingParams) -> bool:
+        """Whether these parameters can be sampled in the graph (no penalties: they need the
+        task's history on the host; top-k between 1 and max_k(), or greedy)."""
+        penalties = params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
+        if penalties:
+            return False
+        return params.temperature <= 0.0 or 1 <= params.top_k <= cls.max_k()
+
+    def set(self, params: SamplingParams, seed: int, skip: int = 0) -> None:
+        """The parameters of the task that now holds the sequence; its draws restart from `seed` with
+        `skip` draws already taken (a task back on a sequence after a swap continues its stream)."""
+        p, set_ = params, _mc_sample_fns()["set"]
+        ok = set_(self._inner, max(p.temperature, 0.0), max(p.top_k, 1), p.top_p, p.min_p, seed, skip)
+        if not ok:
+            raise BackendError(f"mc_sample_set refused {params} (top_k 1..{self.max_k()}, min_p below 1)")
 
 
 class DeviceGreedy(_Owned):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +27,7 @@ from orchestrator import events as ev
 from orchestrator.backend import check_backend
 from orchestrator.chat_template import ChatTemplate
 from orchestrator.engine import Engine, ModelInfo, TaskReader, TextStream
-from orchestrator.llama import Batch, Context, ContextParams, DeviceGreedy, Model, Sampler
+from orchestrator.llama import Batch, Context, ContextParams, DeviceGreedy, DeviceSampler, Model, Sampler
 from orchestrator.loop_guard import LoopGuard, LoopGuardConfig
 from orchestrator.residency import Residency
 from orchestrator.scheduler import Budget, Phase, schedule
@@ -59,6 +60,10 @@ class EngineConfig:
     # greedy tasks' argmax in the graph (llama.cpp backend sampling, patch 0010): only token ids
     # come back instead of every row's logits; None: on when the layers run on a GPU
     device_sampling: bool | None = None
+    # what runs in the graph: "greedy" (llama.cpp's argmax chain: greedy tasks only) or "mc" (patch
+    # 0012: greedy tasks and sampled ones with top-k 1..64 and no penalties; written, not yet
+    # measured on a GPU)
+    device_sampler: str = "greedy"
     # threads that run several tasks' sampler chains at once (llama.cpp's calls and numpy's large
     # loops release the GIL). H200 host (32 cores), 12 sampled tasks: 4.53 against 5.11 ms of host
     # work a step; a 2-core CPU: 5.7 against 5.0 ms (slower). 0: min(slots, CPU cores) with at least 4
@@ -146,6 +151,10 @@ class EngineBusy(InvalidRequest):
 
 class LlamaEngine(Engine):
     def __init__(self, model_path: str, config: EngineConfig, n_gpu_layers: int = 0, model_id: str = ""):
+        if config.device_sampler not in ("greedy", "mc"):
+            raise ValueError(f"device_sampler: must be 'greedy' or 'mc' (got {config.device_sampler!r})")
+        if config.sampling_threads < 0:
+            raise ValueError(f"sampling_threads: must be >= 0 (got {config.sampling_threads})")
         check_backend()
         self.cfg = config
         self.model = Model(model_path, n_gpu_layers)
@@ -179,13 +188,13 @@ class LlamaEngine(Engine):
         self._outbox: list[tuple[TaskReader, TokenEvent | FinishEvent]] = []
         self._defer_events = n_gpu_layers != 0  # on the CPU llama_decode computes the step itself
         self._slot_view: list[dict] = []
-        self._greedy: list[DeviceGreedy] = []  # one backend greedy chain per sequence, attached once
+        self._chains: list[DeviceGreedy | DeviceSampler] = []  # a backend chain per sequence, attached once
         self._raw: dict[int, bool] = {}  # sequence -> its rows come back as raw logits (patch 0010)
+        self._holder: dict[int, int] = {}  # sequence -> the task whose parameters its DeviceSampler has
+        self._mc = config.device_sampler == "mc"
         use_device = config.device_sampling if config.device_sampling is not None else n_gpu_layers != 0
         if use_device:
-            self._attach_device_greedy(slots)
-        if config.sampling_threads < 0:
-            raise ValueError(f"sampling_threads: must be >= 0 (got {config.sampling_threads})")
+            self._attach_device_chains(slots)
         cores = os.cpu_count() or 1
         n_pick = config.sampling_threads or (min(slots, cores) if cores >= 4 else 1)
         self._pick_pool = ThreadPoolExecutor(n_pick, thread_name_prefix="mc-sample") if n_pick > 1 else None
@@ -274,7 +283,7 @@ class LlamaEngine(Engine):
         self.swap.close()
         self.batch.close()
         self.ctx.close()
-        for chain in self._greedy:  # after the context that used them
+        for chain in self._chains:  # after the context that used them
             chain.close()
         self.model.close()
 
@@ -323,6 +332,7 @@ class LlamaEngine(Engine):
     def _add_task(self, request: GenerationRequest, reader: TaskReader) -> None:
         now = time.monotonic()
         stream = TextStream(self.model, request.sampling.stop)
+        seed = request.sampling.seed
         task = Task(
             request,
             reader,
@@ -331,6 +341,7 @@ class LlamaEngine(Engine):
             LoopGuard(self.cfg.loop_guard),
             now,
             created=now,
+            device_seed=seed if seed is not None else random.getrandbits(32),
         )
         self._tasks[task.id] = task
         self.events.publish(ev.TaskStateChanged(task.id, TaskState.WAITING.value))
@@ -369,30 +380,35 @@ class LlamaEngine(Engine):
         self._after_decode(rows)
         self._maybe_throughput()
 
-    def _attach_device_greedy(self, slots: int) -> None:
-        """A backend greedy chain on every sequence, once (each attach reserves the graphs again);
-        tasks sampled on the host then ask for raw logits per step (Context.set_raw_logits)."""
+    def _attach_device_chains(self, slots: int) -> None:
+        """A backend chain on every sequence, once (each attach reserves the graphs again): the argmax
+        (DeviceGreedy) or patch 0012's sampler (DeviceSampler, its parameters set per task); tasks
+        sampled on the host ask for raw logits per step (Context.set_raw_logits)."""
         for seq in range(slots):
-            chain = DeviceGreedy()
-            self._greedy.append(chain)
+            chain = DeviceSampler() if self._mc else DeviceGreedy()
+            self._chains.append(chain)
             if not self.ctx.set_sampler(seq, chain):
-                log.warning("no backend sampling (sequence %d): greedy tokens are chosen on the host", seq)
+                log.warning("no backend sampling (sequence %d): every token is chosen on the host", seq)
                 for s in range(seq + 1):
                     self.ctx.set_sampler(s, None)
-                for c in self._greedy:
+                for c in self._chains:
                     c.close()
-                self._greedy = []
+                self._chains = []
                 return
             self._raw[seq] = False
-        log.info("greedy tasks sample on the device (backend sampling on %d sequences)", slots)
+        log.info("tokens chosen in the graph (%s, %d sequences)", "mc" if self._mc else "argmax", slots)
 
     def _on_device(self, task: Task) -> bool:
         """Whether this step's token of `task` is the argmax chosen in the graph; else its row comes
         back as raw logits (sampling, logprobs, or a loop-guard penalty to apply first)."""
-        if not self._greedy:
+        if not self._chains:
             return False
         sp = task.request.sampling
-        on_device = sp.is_greedy and sp.logprobs is None and not task.guard.penalizing()
+        takes = DeviceSampler.takes(sp) if self._mc else sp.is_greedy
+        on_device = takes and sp.logprobs is None and not task.guard.penalizing()
+        if on_device and self._mc and self._holder.get(task.seq) != task.id:
+            self._chains[task.seq].set(sp, task.device_seed, task.n_generated)
+            self._holder[task.seq] = task.id
         if self._raw[task.seq] == on_device:
             self.ctx.set_raw_logits(task.seq, not on_device)
             self._raw[task.seq] = not on_device

@@ -35,6 +35,7 @@ class Task:
     sampler: Sampler | None = None
     created: float = 0.0
     logprobs: list = field(default_factory=list)
+    device_seed: int = 0  # the seed of its draws in the graph (DeviceSampler): its own, else random
 
     @property
     def id(self) -> int:

@@ -36,8 +36,8 @@ def main() -> None:
     ap.add_argument(
         "--sampled-only",
         action="store_true",
-        help="only the 12-task step with sampled tasks (temperature 0.8), sampler chains one after the "
-        "other and on the sampling threads",
+        help="only the 12-task steps with sampled tasks (temperature 0.8: chains one after the other, "
+        "on the sampling threads, in the graph) and greedy ones through patch 0012's sampler",
     )
     args = ap.parse_args()
     res: dict = {"git_commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "model": str(args.model)}
@@ -46,10 +46,17 @@ def main() -> None:
     from bench.engine_steps import measure
 
     # sampled tasks (top-k 40, top-p 0.95, min-p 0.05): their chains run on the host from the logits
-    for name, threads in (("steps_12_sampled_serial", 1), ("steps_12_sampled_pool", 0)):
-        fig = measure(args.model, 12, 128, 128, 999, sync=True, temperature=0.8, sampling_threads=threads)
+    # then in the graph (patch 0012's sampler), and greedy tasks through it against the argmax chain
+    runs = [
+        ("steps_12_sampled_serial", dict(temperature=0.8, sampling_threads=1)),
+        ("steps_12_sampled_pool", dict(temperature=0.8, sampling_threads=0)),
+        ("steps_12_sampled_mc", dict(temperature=0.8, device_sampler="mc")),
+        ("steps_12_greedy_mc", dict(temperature=0.0, device_sampler="mc")),
+    ]
+    for name, kw in runs:
+        fig = measure(args.model, 12, 128, 128, 999, sync=True, **kw)
         res[name] = fig
-        print(f"engine steps, 12 sampled tasks, synchronized, sampling threads {threads}: {fig}", flush=True)
+        print(f"engine steps, 12 tasks, synchronized, {kw}: {fig}", flush=True)
         Path(args.json).write_text(json.dumps(res, indent=2))
     if args.sampled_only:
         return

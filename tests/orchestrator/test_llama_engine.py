@@ -257,7 +257,7 @@ def _tokens_alone(path, device: bool, requests) -> tuple[list[list[int]], list, 
     greedy tasks in the graph (device) or on the host; the tokens, finishes and device-sampled count."""
     engine = make_engine(path, device_sampling=device)
     try:
-        assert bool(engine._greedy) is device
+        assert bool(engine._chains) is device
         runs, finishes = [], []
         for make in requests:
             reader = engine.submit(make(engine))
@@ -320,3 +320,35 @@ def test_penalties_and_top_k_free_chains_sample(gemma_engine):
     for reader in (penalized, no_top_k):
         events = list(reader)
         assert events[-1].reason is StopReason.LENGTH and len(run_tokens(iter(events))) == 16
+
+
+def test_patch_0012_samples_greedy_and_sampled_tasks_in_the_graph(gemma_path):
+    """device_sampler="mc": greedy tasks get the host argmax's tokens, a seeded sampled task (top-k
+    40) is drawn in the graph and replays with its seed, and tasks the sampler cannot take (logprobs,
+    penalties, no top-k) go to the host beside them."""
+    sampled = dict(temperature=0.9, seed=21)
+    requests = [
+        lambda e: greedy(e, "Once upon a time", 24),
+        lambda e: greedy(e, "def fib(n):", 16, **sampled),
+    ]
+    host, _, _ = _tokens_alone(gemma_path, False, requests)
+    engine = make_engine(gemma_path, device_sampling=True, device_sampler="mc")
+    try:
+        dev = [run_tokens(engine.submit(make(engine))) for make in requests]
+        again = run_tokens(engine.submit(requests[1](engine)))
+        assert engine.stats.device_sampled == 24 + 16 + 16
+        assert dev[0] == host[0] and len(dev[1]) == 16 and again == dev[1]
+        mixed = [
+            engine.submit(greedy(engine, PROMPTS[0], 12, logprobs=1)),
+            engine.submit(greedy(engine, PROMPTS[1], 12, temperature=0.7, repeat_penalty=1.2, seed=2)),
+            engine.submit(greedy(engine, PROMPTS[2], 12, temperature=0.7, top_k=0, seed=3)),
+            engine.submit(greedy(engine, PROMPTS[3], 12, **sampled)),
+        ]
+        for reader in mixed:
+            events = list(reader)
+            assert events[-1].reason is StopReason.LENGTH and len(run_tokens(iter(events))) == 12
+        assert engine.stats.device_sampled == 24 + 16 + 16 + 12
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="device_sampler: must be 'greedy' or 'mc'"):
+        make_engine(gemma_path, device_sampler="gpu")
