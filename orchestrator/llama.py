@@ -459,9 +459,10 @@ class DeviceSampler(_Owned):
         """The parameters of the task that now holds the sequence; its draws restart from `seed` with
         `skip` draws already taken (a task back on a sequence after a swap continues its stream)."""
         p, set_ = params, _mc_sample_fns()["set"]
-        ok = set_(self._inner, max(p.temperature, 0.0), max(p.top_k, 1), p.top_p, p.min_p, seed, skip)
-        if not ok:
-            raise BackendError(f"mc_sample_set refused {params} (top_k 1..{self.max_k()}, min_p below 1)")
+        greedy = p.temperature <= 0.0  # the argmax: k 1, whatever top-k, top-p and min-p say
+        k, top_p, min_p = (1, 1.0, 0.0) if greedy else (p.top_k, p.top_p, p.min_p)
+        if not set_(self._inner, max(p.temperature, 0.0), k, top_p, min_p, seed, skip):
+            raise BackendError(f"mc_sample_set refused {params} (top_k 1..{self.max_k()} when sampling)")
 
 
 class DeviceGreedy(_Owned):

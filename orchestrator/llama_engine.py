@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from orchestrator import events as ev
-from orchestrator.backend import check_backend
+from orchestrator.backend import BackendError, check_backend
 from orchestrator.chat_template import ChatTemplate
 from orchestrator.engine import Engine, ModelInfo, TaskReader, TextStream
 from orchestrator.llama import Batch, Context, ContextParams, DeviceGreedy, DeviceSampler, Model, Sampler
@@ -407,8 +407,13 @@ class LlamaEngine(Engine):
         takes = DeviceSampler.takes(sp) if self._mc else sp.is_greedy
         on_device = takes and sp.logprobs is None and not task.guard.penalizing()
         if on_device and self._mc and self._holder.get(task.seq) != task.id:
-            self._chains[task.seq].set(sp, task.device_seed, task.n_generated)
-            self._holder[task.seq] = task.id
+            try:
+                self._chains[task.seq].set(sp, task.device_seed, task.n_generated)
+                self._holder[task.seq] = task.id
+            except BackendError:  # takes() and mc_sample_set disagree: sample on the host instead
+                log.exception("task %d: sampling on the host", task.id)
+                self._holder.pop(task.seq, None)
+                on_device = False
         if self._raw[task.seq] == on_device:
             self.ctx.set_raw_logits(task.seq, not on_device)
             self._raw[task.seq] = not on_device

@@ -96,8 +96,12 @@ def test_parameters_out_of_range_are_refused():
         assert DeviceSampler.max_k() == 64
         with pytest.raises(BackendError, match=r"top_k 1\.\.64"):
             sampler.set(SamplingParams(temperature=0.8, top_k=65), 1)
-        with pytest.raises(BackendError, match="min_p below 1"):
-            sampler.set(SamplingParams(temperature=0.8, min_p=1.0), 1)
+        with pytest.raises(BackendError, match=r"top_k 1\.\.64"):
+            sampler.set(SamplingParams(temperature=0.8, top_k=0), 1)
+        # greedy takes any top-k / top-p / min-p; top_p 0 and min_p 1 keep the top token alone
+        sampler.set(SamplingParams(temperature=0.0, top_k=500, top_p=0.0, min_p=1.0), 1)
+        sampler.set(SamplingParams(temperature=0.8, top_p=0.0), 1)
+        sampler.set(SamplingParams(temperature=0.8, min_p=1.0), 1)
     finally:
         sampler.close()
     assert DeviceSampler.takes(SamplingParams(temperature=0.8))  # top-k 40

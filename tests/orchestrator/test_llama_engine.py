@@ -343,11 +343,12 @@ def test_patch_0012_samples_greedy_and_sampled_tasks_in_the_graph(gemma_path):
             engine.submit(greedy(engine, PROMPTS[1], 12, temperature=0.7, repeat_penalty=1.2, seed=2)),
             engine.submit(greedy(engine, PROMPTS[2], 12, temperature=0.7, top_k=0, seed=3)),
             engine.submit(greedy(engine, PROMPTS[3], 12, **sampled)),
+            engine.submit(greedy(engine, PROMPTS[0], 12, top_k=500, top_p=0.0, min_p=1.0)),  # greedy: any
         ]
         for reader in mixed:
             events = list(reader)
             assert events[-1].reason is StopReason.LENGTH and len(run_tokens(iter(events))) == 12
-        assert engine.stats.device_sampled == 24 + 16 + 16 + 12
+        assert engine.stats.device_sampled == 24 + 16 + 16 + 12 + 12
     finally:
         engine.close()
     with pytest.raises(ValueError, match="device_sampler: must be 'greedy' or 'mc'"):
