@@ -232,7 +232,7 @@ class Context(_Owned):
         ptr = llama().llama_get_logits_ith(self._ptr, i)
         return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,))
 
-    def set_sampler(self, seq_id: int, sampler: DeviceGreedy | None) -> bool:
+    def set_sampler(self, seq_id: int, sampler: _Chain | None) -> bool:
         """Attach a backend sampler chain to `seq_id` (None detaches it); False when llama.cpp cannot
         run it in the graph. Each call makes the next decode reserve the graphs again: attach once."""
         return bool(llama().llama_set_sampler(self._ptr, seq_id, sampler.ptr if sampler else None))
@@ -303,6 +303,12 @@ def _mc_sample_fns() -> dict:
     return {"init": lib.mc_sample_init, "max_k": lib.mc_sample_max_k, "set": lib.mc_sample_set}
 
 
+@cache
+def _mc_sample_max_k() -> int:
+    """The largest top-k patch 0012's sampler takes (a constant of the build; asked once, not per step)."""
+    return int(_mc_sample_fns()["max_k"]())
+
+
 class Batch(_Owned):
     """A llama_batch of up to `capacity` tokens, each for one sequence."""
 
@@ -337,14 +343,25 @@ class Batch(_Owned):
         return i
 
 
-class Sampler(_Owned):
+class _Chain(_Owned):
+    """Base: an owned llama.cpp sampler chain."""
+
+    def _free(self, ptr) -> None:
+        llama().llama_sampler_free(ptr)
+
+    @property
+    def ptr(self):
+        return self._ptr
+
+
+class Sampler(_Chain):
     """A llama.cpp sampler chain built from SamplingParams."""
 
     def __init__(self, params: SamplingParams, n_vocab: int):
         lc = llama()
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         add = lambda s: lc.llama_sampler_chain_add(chain, s)  # noqa: E731
-        if params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+        if params.has_penalties:
             add(
                 lc.llama_sampler_init_penalties(
                     n_vocab,  # this llama.cpp's signature starts with the vocabulary size
@@ -354,7 +371,6 @@ class Sampler(_Owned):
                     params.presence_penalty,
                 )
             )
-        penalties = params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
         if params.temperature <= 0.0:
             add(lc.llama_sampler_init_greedy())
         else:
@@ -369,11 +385,8 @@ class Sampler(_Owned):
         self._ids: np.ndarray | None = None
         # the chain starts with top-k (no penalties before it, which may raise a logit): it then
         # needs only the logits of a superset of the top k, found by a threshold below the maximum
-        self.top_k_first = params.temperature > 0.0 and params.top_k > 0 and not penalties
+        self.top_k_first = params.temperature > 0.0 and params.top_k > 0 and not params.has_penalties
         self._k = params.top_k
-
-    def _free(self, ptr) -> None:
-        llama().llama_sampler_free(ptr)
 
     def sample(self, logits: np.ndarray) -> int:
         """Sample (and accept) the next token from `logits` [n_vocab] (an output row of the last
@@ -423,7 +436,7 @@ class Sampler(_Owned):
         return np.flatnonzero(logits >= t).astype(np.int32)
 
 
-class DeviceSampler(_Owned):
+class DeviceSampler(_Chain):
     """Patch 0012's backend sampler (mc_sample) in a chain, attached to a sequence for good: top-k
     (at most `max_k()`), top-p, min-p, temperature and the draw run in the graph, with the parameters
     of whichever task holds the sequence set between decodes (`set`); temperature 0 is the argmax."""
@@ -435,23 +448,15 @@ class DeviceSampler(_Owned):
         self._ptr = chain
         self._inner = lc.llama_sampler_chain_get(chain, 0)
 
-    def _free(self, ptr) -> None:
-        llama().llama_sampler_free(ptr)
-
-    @property
-    def ptr(self):
-        return self._ptr
-
     @staticmethod
     def max_k() -> int:
-        return int(_mc_sample_fns()["max_k"]())
+        return _mc_sample_max_k()
 
     @classmethod
     def takes(cls, params: SamplingParams) -> bool:
         """Whether these parameters can be sampled in the graph (no penalties: they need the
         task's history on the host; top-k between 1 and max_k(), or greedy)."""
-        penalties = params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
-        if penalties:
+        if params.has_penalties:
             return False
         return params.temperature <= 0.0 or 1 <= params.top_k <= cls.max_k()
 
@@ -465,7 +470,7 @@ class DeviceSampler(_Owned):
             raise BackendError(f"mc_sample_set refused {params} (top_k 1..{self.max_k()} when sampling)")
 
 
-class DeviceGreedy(_Owned):
+class DeviceGreedy(_Chain):
     """A chain of llama.cpp's greedy sampler, attached to a sequence of a Context for backend
     sampling: the argmax of that sequence's logits runs in the graph (on the GPU with layers
     there), and only the token id comes back (Context.sampled_token)."""
@@ -475,10 +480,3 @@ class DeviceGreedy(_Owned):
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
         self._ptr = chain
-
-    def _free(self, ptr) -> None:
-        llama().llama_sampler_free(ptr)
-
-    @property
-    def ptr(self):
-        return self._ptr

@@ -399,8 +399,9 @@ class LlamaEngine(Engine):
         log.info("tokens chosen in the graph (%s, %d sequences)", "mc" if self._mc else "argmax", slots)
 
     def _on_device(self, task: Task) -> bool:
-        """Whether this step's token of `task` is the argmax chosen in the graph; else its row comes
-        back as raw logits (sampling, logprobs, or a loop-guard penalty to apply first)."""
+        """Whether this step's token of `task` is chosen in the graph (the argmax, or with
+        device_sampler "mc" a draw); else its row comes back as raw logits (sampling on the host,
+        logprobs, or a loop-guard penalty to apply first)."""
         if not self._chains:
             return False
         sp = task.request.sampling

@@ -61,10 +61,14 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; n >= 0: the chosen token's logprob and the top n
 
     @property
+    def has_penalties(self) -> bool:
+        """Repetition, presence or frequency penalties: they need the task's history."""
+        return self.repeat_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+
+    @property
     def is_greedy(self) -> bool:
         """Temperature 0 and no penalties: the next token is the argmax of the logits."""
-        no_penalty = self.repeat_penalty == 1.0 and not self.presence_penalty and not self.frequency_penalty
-        return self.temperature <= 0.0 and no_penalty
+        return self.temperature <= 0.0 and not self.has_penalties
 
     def __post_init__(self) -> None:
         _check_range("temperature", self.temperature, 0.0, 5.0)
