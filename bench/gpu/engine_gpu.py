@@ -39,6 +39,12 @@ def main() -> None:
         help="only the 12-task steps with sampled tasks (temperature 0.8: chains one after the other, "
         "on the sampling threads, in the graph) and greedy ones through patch 0012's sampler",
     )
+    ap.add_argument(
+        "--skip-steps",
+        action="store_true",
+        help="leave out the greedy 12-task step breakdowns and the bare decode loop (the aggregate, "
+        "the sampled steps and the swap figures still run)",
+    )
     args = ap.parse_args()
     res: dict = {"git_commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "model": str(args.model)}
     res["numa"] = numa.describe(0)
@@ -64,27 +70,8 @@ def main() -> None:
         res[f"agg_tok_s_{n}"] = engine_aggregate(args.model, n, 128, 128, n_gpu_layers=999)
         print(f"engine, {n:>2} tasks: {res[f'agg_tok_s_{n}']:.1f} tok/s", flush=True)
         Path(args.json).write_text(json.dumps(res, indent=2))
-    # where a 12-task engine step goes (the decode call, the host work after the logits, the rest)
-    res["steps_12"] = measure(args.model, 12, 128, 128, 999, sync=False)
-    print(f"engine steps, 12 tasks: {res['steps_12']}", flush=True)
-    # the same with the device synchronized inside the decode timer: 'after' is then host work alone
-    res["steps_12_sync"] = measure(args.model, 12, 128, 128, 999, sync=True)
-    print(f"engine steps, 12 tasks, synchronized: {res['steps_12_sync']}", flush=True)
-    # greedy tokens chosen on the host from the copied logits (the engine's default on a GPU chooses
-    # them in the graph, patch 0010): the same two figures
-    res["steps_12_host"] = measure(args.model, 12, 128, 128, 999, sync=False, device_sampling=False)
-    print(f"engine steps, 12 tasks, host sampling: {res['steps_12_host']}", flush=True)
-    res["steps_12_sync_host"] = measure(args.model, 12, 128, 128, 999, sync=True, device_sampling=False)
-    print(f"engine steps, 12 tasks, synchronized, host sampling: {res['steps_12_sync_host']}", flush=True)
-    # the same with 4 llama.cpp CPU threads (mc_gpu_bench's default) against every core
-    res["steps_12_sync_t4"] = measure(args.model, 12, 128, 128, 999, sync=True, threads=4)
-    print(f"engine steps, 12 tasks, synchronized, 4 threads: {res['steps_12_sync_t4']}", flush=True)
-    # the same decodes in a bare loop (no engine, no reader threads) in this process
-    from bench.engine_steps import bare_decode_ms
-
-    res["bare_decode_ms_12"] = bare_decode_ms(args.model, 12, 128, 128, 999)
-    print(f"bare decode loop, 12 sequences: {res['bare_decode_ms_12']} ms a step", flush=True)
-    Path(args.json).write_text(json.dumps(res, indent=2))
+    if not args.skip_steps:
+        steps_breakdown(args.model, res, Path(args.json))
     for kv in ("f16", "q8_0"):
         for depth in [int(d) for d in args.breakdown.split(",") if d]:
             fig = swap_breakdown(args.model, depth, kv)
@@ -105,6 +92,32 @@ def main() -> None:
                 flush=True,
             )
             Path(args.json).write_text(json.dumps(res, indent=2))
+
+
+def steps_breakdown(model: Path, res: dict, out: Path) -> None:
+    """The 12-task step breakdowns (greedy tasks): not synchronized and synchronized, host sampling,
+    4 llama.cpp threads, and the same decodes in a bare loop; each figure into res and out."""
+    from bench.engine_steps import bare_decode_ms, measure
+
+    # where a 12-task engine step goes (the decode call, the host work after the logits, the rest)
+    res["steps_12"] = measure(model, 12, 128, 128, 999, sync=False)
+    print(f"engine steps, 12 tasks: {res['steps_12']}", flush=True)
+    # the same with the device synchronized inside the decode timer: 'after' is then host work alone
+    res["steps_12_sync"] = measure(model, 12, 128, 128, 999, sync=True)
+    print(f"engine steps, 12 tasks, synchronized: {res['steps_12_sync']}", flush=True)
+    # greedy tokens chosen on the host from the copied logits (the engine's default on a GPU chooses
+    # them in the graph, patch 0010): the same two figures
+    res["steps_12_host"] = measure(model, 12, 128, 128, 999, sync=False, device_sampling=False)
+    print(f"engine steps, 12 tasks, host sampling: {res['steps_12_host']}", flush=True)
+    res["steps_12_sync_host"] = measure(model, 12, 128, 128, 999, sync=True, device_sampling=False)
+    print(f"engine steps, 12 tasks, synchronized, host sampling: {res['steps_12_sync_host']}", flush=True)
+    # the same with 4 llama.cpp CPU threads (mc_gpu_bench's default) against every core
+    res["steps_12_sync_t4"] = measure(model, 12, 128, 128, 999, sync=True, threads=4)
+    print(f"engine steps, 12 tasks, synchronized, 4 threads: {res['steps_12_sync_t4']}", flush=True)
+    # the same decodes in a bare loop (no engine, no reader threads) in this process
+    res["bare_decode_ms_12"] = bare_decode_ms(model, 12, 128, 128, 999)
+    print(f"bare decode loop, 12 sequences: {res['bare_decode_ms_12']} ms a step", flush=True)
+    out.write_text(json.dumps(res, indent=2))
 
 
 def swap_breakdown(model: Path, depth: int, kv: str, repeats: int = 5, n_gpu_layers: int = 999) -> dict:

@@ -56,6 +56,16 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     forms = [("4", "3", "0"), ("4", "4", "1")]
     assert sorted(mmh) == sorted((nt, *f) for nt in ("1", "2") for f in forms), mmh
     assert report.count("Compiling entry function '_Z16mc_mmh_convert_y") == 1
+    # MC_MMH_REPACK (patch 0015): the repacked form at one and two tiles of 8 columns with 3 stages, and
+    # two tiles with 2 stages (GPUs with ~100 KB of shared memory a block); two blocks per SM fit
+    # their registers (65,536 / 256 = 256 a thread), the repack and the activation converter
+    mmr = re.findall(
+        r"Compiling entry function '_Z11mc_mmr_q4_0ILi(\d)ELi(\d)EE\w+'.*?Used (\d+) registers", report, re.S
+    )
+    assert sorted((nt, st) for nt, st, _ in mmr) == [("1", "3"), ("2", "2"), ("2", "3")], mmr
+    assert all(int(r) <= 255 for *_, r in mmr), mmr
+    assert "Compiling entry function '_Z13mc_mmr_repack" in report
+    assert "Compiling entry function '_Z16mc_mmr_convert_y" in report
     # Q6_K at one column (the output matrix): one kernel, registers for its 6 blocks of 128 threads
     # per SM (65,536 / 768 = 85, allocated in steps of 8)
     q6k = re.findall(r"Compiling entry function '_Z11mc_mmv_q6_K\w+'.*?Used (\d+) registers", report, re.S)
@@ -113,6 +123,18 @@ def test_the_patched_ggml_cuda_compiles(patched, tmp_path):
     opt = main.index("static void ggml_backend_cuda_graph_optimize(")
     reorder = main.index("ggml_cuda_mc_group_reorder(cgraph);", opt)
     assert reorder < main.index("enable_graph_optimization", opt)
+    # MC_MMH_REPACK: the copies made before the graph compute decides on a CUDA-graph capture; every
+    # write into a CUDA buffer marks copies there stale, and freeing the buffer frees them
+    compute = main.index("static enum ggml_status ggml_backend_cuda_graph_compute(")
+    prepare = main.index("ggml_cuda_mc_repack_prepare(*cuda_ctx, cgraph);", compute)
+    assert prepare < main.index("cudaStreamBeginCapture", compute)
+    free_buffer = main.index("static void ggml_backend_cuda_buffer_free_buffer(")
+    assert main.index(
+        "ggml_cuda_mc_repack_forget(ctx->dev_ptr, buffer->size, true);", free_buffer
+    ) < main.index("delete ctx;", free_buffer)
+    assert (
+        main.count("ggml_cuda_mc_repack_forget(") == 9
+    )  # free, memset, set, set 2d, copy, clear, 2 async, copy async
     fuse = main.index("ggml_cuda_try_fuse(cuda_ctx, cgraph, i)")
     group = main.index("ggml_cuda_mc_mmv_group(*cuda_ctx, cgraph, i)", fuse)
     assert group < main.index("ggml_cuda_compute_forward(*cuda_ctx, node)", group)

@@ -1,0 +1,208 @@
+"""MC_MMH_REPACK (patch 0015): a byte-level emulation of the repacked tensor-core kernel's data
+movement, transcribed from mc-mmv.cu: the repack of Q4_0 rows into 1,152-byte tiles
+(mc_mmr_repack), the activations' f16 fragment order (mc_mmr_convert_y), every thread's 16-byte
+copies into its shared-memory slots (addresses as mc_mmr_q4_0 computes them: wsrc, ssrc, ysrc and the
+per-chunk offsets), its reads back, the nibble expansion, the m16n8k16 fragment layouts (PTX ISA),
+the sums over warps and K slices. The result must equal a float64 product of the dequantized weights
+and the f16-rounded activations. This machine has no GPU: the GPU run compares the kernel itself
+against the CPU backend (test-backend-ops with MC_MMH_REPACK=2)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+TILE = 1152
+ROWS = 64  # MC_MMQ_ROWS
+WARPS = 4
+
+
+def q4_0_rows(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
+    """Random Q4_0 rows as bytes: per block a little-endian f16 scale, then 16 qs bytes."""
+    nb = k // 32
+    out = np.zeros((rows, nb * 18), np.uint8)
+    d = (rng.random((rows, nb)) * 0.1 + 0.01).astype(np.float16)
+    qs = rng.integers(0, 256, (rows, nb, 16), dtype=np.uint8)
+    blocks = out.reshape(rows, nb, 18)
+    blocks[:, :, 0:2] = d.view(np.uint8).reshape(rows, nb, 2)
+    blocks[:, :, 2:] = qs
+    return out
+
+
+def dequant(w: np.ndarray, rows: int, k: int) -> np.ndarray:
+    b = w.reshape(rows, k // 32, 18)
+    d = b[:, :, 0:2].copy().view(np.float16).astype(np.float64)[:, :, 0]
+    qs = b[:, :, 2:].astype(np.int64)
+    vals = np.concatenate([qs & 15, qs >> 4], axis=2) - 8  # element j: low nibble of byte j, j + 16: high
+    return (vals * d[:, :, None]).reshape(rows, k)
+
+
+def repack(src: np.ndarray, rows: int, k: int) -> np.ndarray:
+    """mc_mmr_repack, piece by piece."""
+    nquads = k // 128
+    row_bytes = k // 32 * 18
+    flat = src.reshape(-1)
+    dst = np.zeros(rows * row_bytes, np.uint8)
+    npieces = rows // 16 * nquads * 72
+    for i in range(npieces):
+        tile, p = divmod(i, 72)
+        mt, q = divmod(tile, nquads)
+        out = np.zeros(16, np.uint8)
+        if p < 64:
+            g, t = p % 32 // 4, p % 4
+            row = (16 * mt + g + 8 * (p // 32)) * row_bytes + 4 * q * 18
+            for j in range(4):
+                for b in range(4):
+                    out[4 * j + b] = flat[row + j * 18 + 2 + 4 * t + b]
+        else:
+            g = p - 64
+            for h in range(2):
+                row = (16 * mt + g + 8 * h) * row_bytes + 4 * q * 18
+                for j in range(4):
+                    out[8 * h + 2 * j : 8 * h + 2 * j + 2] = flat[row + j * 18 : row + j * 18 + 2]
+        at = tile * TILE + p * 16
+        dst[at : at + 16] = out
+    return dst
+
+
+def convert_y(x: np.ndarray, ncp: int) -> np.ndarray:
+    """mc_mmr_convert_y: x is [ncols, k] f32; returns the f16 buffer as bytes."""
+    ncols, k = x.shape
+    nblocks = k // 32
+    y = np.zeros(nblocks * ncp * 4 * 8, np.float16)
+    for i in range(nblocks * ncp * 4):
+        t, c, b = i % 4, i // 4 % ncp, i // (4 * ncp)
+        if c < ncols:
+            xb = x[c, b * 32 + 4 * t :]
+            y[i * 8 : i * 8 + 8] = [xb[0], xb[2], xb[1], xb[3], xb[16], xb[18], xb[17], xb[19]]
+    return y.view(np.uint8)
+
+
+def expand(word: int) -> tuple[list[float], list[float]]:
+    """mc_mmh_expand: lo[0] = bytes 0, 2 low nibbles, lo[1] = bytes 1, 3; hi the high nibbles; q - 8."""
+    b = [(word >> (8 * i)) & 255 for i in range(4)]
+    lo = [[(b[0] & 15) - 8, (b[2] & 15) - 8], [(b[1] & 15) - 8, (b[3] & 15) - 8]]
+    hi = [[(b[0] >> 4) - 8, (b[2] >> 4) - 8], [(b[1] >> 4) - 8, (b[3] >> 4) - 8]]
+    return lo, hi
+
+
+def mma(a: list, b: list) -> list:
+    """m16n8k16 over a warp: a[lane] = 4 registers of 2 values, b[lane] = 2 registers of 2 values;
+    returns c[lane] = 4 sums (PTX ISA fragment layouts)."""
+    A = np.zeros((16, 16))
+    B = np.zeros((16, 8))
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for r, (row, col) in enumerate([(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
+            A[row, col], A[row, col + 1] = a[lane][r]
+        for r, kk in enumerate([2 * t, 2 * t + 8]):
+            B[kk, g], B[kk + 1, g] = b[lane][r]
+    C = A @ B
+    out = []
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        out.append([C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1]])
+    return out
+
+
+def run_kernel(
+    copy: np.ndarray, ybytes: np.ndarray, rows: int, k: int, ncols: int, nt: int, ks: int
+) -> np.ndarray:
+    """mc_mmr_q4_0 with one product, grid (row tiles, ks K slices); returns dst [ncols, rows]."""
+    ncp = 8 * nt
+    nquads = k // 128
+    nchunks_all = nquads // 4
+    per = (nchunks_all + ks - 1) // ks
+    mt_stride = nquads * TILE
+    y_chunk = 16 * ncp * 64
+    partial = np.zeros((ks, ncols, rows))
+    for tile in range((rows + ROWS - 1) // ROWS):
+        row0 = tile * ROWS
+        nr = min(ROWS, rows - row0)
+        nmt = nr // 16
+        for slice_ in range(ks):
+            c_begin = slice_ * per
+            nchunks = min(nchunks_all, c_begin + per) - c_begin
+            acc = np.zeros((WARPS, WARPS, nt, 32, 4))  # [warp][m][n][lane][i]
+            for c in range(nchunks):
+                for warp in range(WARPS):
+                    # the copies: slot (item, lane) of this warp's stage <- 16 bytes at a global address
+                    slots: dict[tuple[int, int], np.ndarray] = {}
+                    for lane in range(32):
+                        wsrc = (row0 // 16) * mt_stride + (4 * c_begin + warp) * TILE + lane * 16
+                        sm = lane // 8
+                        ssrc = wsrc - lane * 16 + sm * mt_stride + 1024 + (lane % 8) * 16
+                        ysrc = (4 * c_begin + warp) * 4 * ncp * 64 + lane * 16
+                        off = c * 4 * TILE
+                        for m in range(4):
+                            if m < nmt:
+                                a0 = wsrc + off + m * mt_stride
+                                slots[(2 * m, lane)] = copy[a0 : a0 + 16]
+                                slots[(2 * m + 1, lane)] = copy[a0 + 512 : a0 + 528]
+                        if sm < nmt:
+                            slots[(8, lane)] = copy[ssrc + off : ssrc + off + 16]
+                        for j in range(4):
+                            for n in range(nt):
+                                a0 = ysrc + c * y_chunk + j * ncp * 64 + n * 512
+                                slots[(9 + j * nt + n, lane)] = ybytes[a0 : a0 + 16]
+                    # the reads and the arithmetic
+                    for m in range(nmt):
+                        a_lo: dict[int, list] = {j: [] for j in range(4)}
+                        a_hi: dict[int, list] = {j: [] for j in range(4)}
+                        dd: dict[int, list] = {j: [] for j in range(4)}
+                        for lane in range(32):
+                            g = lane // 4
+                            w0 = slots[(2 * m, lane)].view(np.uint32)
+                            w1 = slots[(2 * m + 1, lane)].view(np.uint32)
+                            sc = slots[(8, m * 8 + g)].view(np.float16).astype(np.float64)
+                            # d[j] = (row g, row g + 8): sc.x = (g: j0, j1), .y = (g: j2, j3), .z / .w: g + 8
+                            for j in range(4):
+                                lo0, hi0 = expand(int(w0[j]))
+                                lo1, hi1 = expand(int(w1[j]))
+                                a_lo[j].append([lo0[0], lo1[0], lo0[1], lo1[1]])
+                                a_hi[j].append([hi0[0], hi1[0], hi0[1], hi1[1]])
+                                dd[j].append((sc[j], sc[4 + j]))
+                        for j in range(4):
+                            for n in range(nt):
+                                bf = [slots[(9 + j * nt + n, lane)].view(np.float16).astype(np.float64)
+                                      for lane in range(32)]  # fmt: skip
+                                cs_lo = mma(a_lo[j], [[(b[0], b[1]), (b[2], b[3])] for b in bf])
+                                cs_hi = mma(a_hi[j], [[(b[4], b[5]), (b[6], b[7])] for b in bf])
+                                for lane in range(32):
+                                    d0, d1 = dd[j][lane]
+                                    cs = np.add(cs_lo[lane], cs_hi[lane])
+                                    acc[warp, m, n, lane] += [d0 * cs[0], d0 * cs[1], d1 * cs[2], d1 * cs[3]]
+            # mc_mmq_reduce_warps: row m * 16 + g (+ 8), column n * 8 + 2 t + (i & 1)
+            for m in range(nmt):
+                for n in range(nt):
+                    for lane in range(32):
+                        g, t = lane // 4, lane % 4
+                        for i in range(4):
+                            r = m * 16 + g + (8 if i >= 2 else 0)
+                            col = n * 8 + 2 * t + (i & 1)
+                            if col < ncols and r < nr:
+                                partial[slice_, col, row0 + r] += acc[:, m, n, lane, i].sum()
+    return partial.sum(axis=0)
+
+
+@pytest.mark.parametrize(
+    ("rows", "k", "ncols", "ks"),
+    [(80, 1024, 12, 1), (48, 1024, 6, 2), (64, 512, 16, 1)],
+)
+def test_the_repacked_kernel_computes_the_product(rows, k, ncols, ks):
+    rng = np.random.default_rng(rows + k + ncols)
+    w = q4_0_rows(rng, rows, k)
+    x = rng.standard_normal((ncols, k)).astype(np.float32)
+    nt = 1 if ncols <= 8 else 2
+    got = run_kernel(repack(w, rows, k), convert_y(x, 8 * nt), rows, k, ncols, nt, ks)
+    want = x.astype(np.float16).astype(np.float64) @ dequant(w, rows, k).T
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
+
+
+def test_the_repack_moves_every_byte_once():
+    """The tiles are a permutation of the matrix's bytes: same size, same multiset of bytes."""
+    rng = np.random.default_rng(7)
+    w = q4_0_rows(rng, 32, 512)
+    r = repack(w, 32, 512)
+    assert r.size == w.size
+    assert np.array_equal(np.sort(r), np.sort(w.reshape(-1)))
