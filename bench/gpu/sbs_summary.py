@@ -169,16 +169,17 @@ def stall_reasons(metrics: dict) -> list:
     return sorted(out, key=lambda x: -x[1])
 
 
-def compare_logits(state: Path, build: str = "patched") -> dict | None:
-    """Teacher-forced logits of the two builds (mc_gpu_bench logits): relative L2 error per row and
-    whether the argmax agrees. Rows: a 64-token prefill's last, 8 single-token steps, 16 rows of one
-    16-token step, then 12 sequences: their 32-token prompts' last and 6 steps of one token each."""
-    a, b = state / "stock-logits.bin", state / f"{build}-logits.bin"
+def compare_logits(state: Path, build: str = "patched", ref: str = "stock") -> dict | None:
+    """Teacher-forced logits of two builds or settings (mc_gpu_bench logits), build against ref:
+    relative L2 error per row and whether the argmax agrees. Rows: a 64-token prefill's last, 8
+    single-token steps, 16 rows of one 16-token step, then 12 sequences: their 32-token prompts' last
+    and 6 steps of one token each."""
+    a, b = state / f"{ref}-logits.bin", state / f"{build}-logits.bin"
     if not (a.exists() and b.exists()):
         return None
     import numpy as np
 
-    info = (json_lines(state / "stock-logits.out") or [{}])[0]
+    info = (json_lines(state / f"{ref}-logits.out") or [{}])[0]
     n_vocab = info.get("n_vocab")
     if not n_vocab:
         return None
@@ -244,6 +245,8 @@ def main() -> None:
     res["logits_patched_vs_stock"] = compare_logits(st)
     for v in variants:
         res[f"logits_patched_{v}_vs_stock"] = compare_logits(st, f"patched-{v}")
+        # a setting against the patched build's defaults (patched-only runs have no stock logits)
+        res[f"logits_patched_{v}_vs_patched"] = compare_logits(st, f"patched-{v}", "patched")
         f = builds[f"patched-{v}"]
         res[f"tg_tok_s_patched_{v}"] = f.get("tg_depth_0_tok_s")
         res[f"tg32k_tok_s_patched_{v}"] = f.get("tg_depth_32768_tok_s")
@@ -297,6 +300,10 @@ def print_table(res: dict) -> None:
         ratio = f" ({res[key] / base:.3f}x stock)" if base and res[key] else ""
         print(f"{key}: {res[key]}{ratio}")
     for key in sorted(k for k in res if k.startswith("logits_patched_v")):
+        print(f"{key}: {res[key]}")
+    for key in sorted(
+        k for k in res if k.startswith(("agg_tok_s_12_patched-v", "verify16_over_1_patched-v"))
+    ):
         print(f"{key}: {res[key]}")
     if res.get("logits_patched_vs_stock"):
         print(f"logits patched vs stock: {res['logits_patched_vs_stock']}")
