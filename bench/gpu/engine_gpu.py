@@ -40,6 +40,9 @@ def main() -> None:
         "on the sampling threads, in the graph) and greedy ones through patch 0012's sampler",
     )
     ap.add_argument(
+        "--skip-sampled", action="store_true", help="leave out the sampled / mc-sampler 12-task steps"
+    )
+    ap.add_argument(
         "--skip-steps",
         action="store_true",
         help="leave out the greedy 12-task step breakdowns and the bare decode loop (the aggregate, "
@@ -59,7 +62,7 @@ def main() -> None:
         ("steps_12_sampled_mc", dict(temperature=0.8, device_sampler="mc")),
         ("steps_12_greedy_mc", dict(temperature=0.0, device_sampler="mc")),
     ]
-    for name, kw in runs:
+    for name, kw in [] if args.skip_sampled else runs:
         fig = measure(args.model, 12, 128, 128, 999, sync=True, **kw)
         res[name] = fig
         print(f"engine steps, 12 tasks, synchronized, {kw}: {fig}", flush=True)
