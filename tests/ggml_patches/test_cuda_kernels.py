@@ -56,23 +56,17 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     forms = [("4", "3", "0"), ("4", "4", "1")]
     assert sorted(mmh) == sorted((nt, *f) for nt in ("1", "2") for f in forms), mmh
     assert report.count("Compiling entry function '_Z16mc_mmh_convert_y") == 1
-    # MC_MMH_REPACK (patch 0015): the repacked form, (columns / 8, stages, B per row tile): one and two
+    # MC_MMH_REPACK (patch 0015): the repacked form, (columns / 8, stages, bulk copies): one and two
     # tiles with 3 stages and 2 blocks per SM (registers: 65,536 / 256 = 256 a thread), two tiles with 2
-    # stages (GPUs with ~100 KB of shared memory a block), and MC_MMR_FORM=2 (B per row tile, 2 stages,
-    # 3 blocks per SM: <= 168 registers); the repack and the activation converter
+    # stages (GPUs with ~100 KB of shared memory a block), each with per-thread copies or (MC_MMR_FORM=3)
+    # the warp's bulk copies on mbarriers; the repack and the activation converter
     name = r"Compiling entry function '_Z11mc_mmr_q4_0ILi(\d)ELi(\d)ELb(\d)EE\w+'.*?Used (\d+) registers"
     mmr = re.findall(name, report, re.S)
-    forms = sorted((nt, st, bj) for nt, st, bj, _ in mmr)
-    assert forms == [("1", "2", "1"), ("1", "3", "0"), ("2", "2", "0"), ("2", "2", "1"), ("2", "3", "0")], mmr
-    assert all(int(r) <= (168 if bj == "1" else 255) for _, _, bj, r in mmr), mmr
+    forms = sorted((nt, st, bulk) for nt, st, bulk, _ in mmr)
+    assert forms == sorted((nt, st, b) for nt, st in (("1", "3"), ("2", "2"), ("2", "3")) for b in "01"), mmr
+    assert all(int(r) <= 255 for *_, r in mmr), mmr
     assert "Compiling entry function '_Z13mc_mmr_repack" in report
     assert "Compiling entry function '_Z16mc_mmr_convert_y" in report
-    # MC_MMR_FORM=2 at two tiles is the one kernel allowed to spill (experimental, under measurement:
-    # 3 blocks per SM leave it 168 registers); every other kernel here spills nothing
-    bj2 = re.search(r"_Z11mc_mmr_q4_0ILi2ELi2ELb1EE\w+' for 'sm_\d+'\n[^\n]*\n\s*(\d+) bytes stack frame, "
-                    r"(\d+) bytes spill stores", report)  # fmt: skip
-    assert bj2 and int(bj2.group(2)) <= 128, bj2
-    report = report.replace(bj2.group(0), "")
     # Q6_K at one column (the output matrix): one kernel, registers for its 6 blocks of 128 threads
     # per SM (65,536 / 768 = 85, allocated in steps of 8)
     q6k = re.findall(r"Compiling entry function '_Z11mc_mmv_q6_K\w+'.*?Used (\d+) registers", report, re.S)

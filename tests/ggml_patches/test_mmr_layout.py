@@ -2,7 +2,8 @@
 movement, transcribed from mc-mmv.cu: the repack of Q4_0 rows into 1,152-byte tiles
 (mc_mmr_repack), the activations' f16 fragment order (mc_mmr_convert_y), every thread's 16-byte
 copies into its shared-memory slots (addresses as mc_mmr_q4_0 computes them: wsrc, ssrc, ysrc and the
-per-chunk offsets), its reads back, the nibble expansion, the m16n8k16 fragment layouts (PTX ISA),
+per-chunk offsets) or, MC_MMR_FORM=3, a warp's bulk copies of whole tiles and of its activations, the
+reads back at the kernel's offsets, the nibble expansion, the m16n8k16 fragment layouts (PTX ISA),
 the sums over warps and K slices. The result must equal a float64 product of the dequantized weights
 and the f16-rounded activations. This machine has no GPU: the GPU run compares the kernel itself
 against the CPU backend (test-backend-ops with MC_MMH_REPACK=2)."""
@@ -106,15 +107,18 @@ def mma(a: list, b: list) -> list:
 
 
 def run_kernel(
-    copy: np.ndarray, ybytes: np.ndarray, rows: int, k: int, ncols: int, nt: int, ks: int
+    copy: np.ndarray, ybytes: np.ndarray, rows: int, k: int, ncols: int, nt: int, ks: int, bulk: bool = False
 ) -> np.ndarray:
-    """mc_mmr_q4_0 with one product, grid (row tiles, ks K slices); returns dst [ncols, rows]."""
+    """mc_mmr_q4_0 with one product, grid (row tiles, ks K slices); returns dst [ncols, rows]. bulk:
+    MC_MMR_FORM=3 (lane 0 copies each row tile and the warp's activations as spans), else every
+    thread copies its own 16-byte pieces into its own slots."""
     ncp = 8 * nt
     nquads = k // 128
     nchunks_all = nquads // 4
     per = (nchunks_all + ks - 1) // ks
     mt_stride = nquads * TILE
     y_chunk = 16 * ncp * 64
+    warp_stage = (9 + 4 * nt) * 512
     partial = np.zeros((ks, ncols, rows))
     for tile in range((rows + ROWS - 1) // ROWS):
         row0 = tile * ROWS
@@ -126,35 +130,47 @@ def run_kernel(
             acc = np.zeros((WARPS, WARPS, nt, 32, 4))  # [warp][m][n][lane][i]
             for c in range(nchunks):
                 for warp in range(WARPS):
-                    # the copies: slot (item, lane) of this warp's stage <- 16 bytes at a global address
-                    slots: dict[tuple[int, int], np.ndarray] = {}
-                    for lane in range(32):
-                        wsrc = (row0 // 16) * mt_stride + (4 * c_begin + warp) * TILE + lane * 16
-                        sm = lane // 8
-                        ssrc = wsrc - lane * 16 + sm * mt_stride + 1024 + (lane % 8) * 16
-                        ysrc = (4 * c_begin + warp) * 4 * ncp * 64 + lane * 16
-                        off = c * 4 * TILE
-                        for m in range(4):
-                            if m < nmt:
-                                a0 = wsrc + off + m * mt_stride
-                                slots[(2 * m, lane)] = copy[a0 : a0 + 16]
-                                slots[(2 * m + 1, lane)] = copy[a0 + 512 : a0 + 528]
-                        if sm < nmt:
-                            slots[(8, lane)] = copy[ssrc + off : ssrc + off + 16]
-                        for j in range(4):
-                            for n in range(nt):
-                                a0 = ysrc + c * y_chunk + j * ncp * 64 + n * 512
-                                slots[(9 + j * nt + n, lane)] = ybytes[a0 : a0 + 16]
-                    # the reads and the arithmetic
+                    st = np.zeros(warp_stage, np.uint8)  # this warp's stage
+                    wsrc0 = (row0 // 16) * mt_stride + (4 * c_begin + warp) * TILE  # + lane * 16
+                    ysrc0 = (4 * c_begin + warp) * 4 * ncp * 64
+                    if bulk:
+                        w = wsrc0 + c * 4 * TILE
+                        for m in range(nmt):
+                            st[m * TILE : (m + 1) * TILE] = copy[w + m * mt_stride : w + m * mt_stride + TILE]
+                        yc = ysrc0 + c * y_chunk
+                        st[4 * TILE : 4 * TILE + 4 * nt * 512] = ybytes[yc : yc + 4 * nt * 512]
+                    else:
+                        for lane in range(32):
+                            mine = lane * 16
+                            wsrc = wsrc0 + lane * 16
+                            sm = lane // 8
+                            ssrc = wsrc - lane * 16 + sm * mt_stride + 1024 + (lane % 8) * 16
+                            ysrc = ysrc0 + lane * 16
+                            w = wsrc + c * 4 * TILE
+                            for m in range(4):
+                                if m < nmt:
+                                    for h in range(2):
+                                        a0 = w + m * mt_stride + 512 * h
+                                        st[mine + (2 * m + h) * 512 :][:16] = copy[a0 : a0 + 16]
+                            if sm < nmt:
+                                a0 = ssrc + c * 4 * TILE
+                                st[mine + 8 * 512 :][:16] = copy[a0 : a0 + 16]
+                            for j in range(4):
+                                for n in range(nt):
+                                    a0 = ysrc + c * y_chunk + j * ncp * 64 + n * 512
+                                    st[mine + (9 + j * nt + n) * 512 :][:16] = ybytes[a0 : a0 + 16]
+                    # the reads, at the kernel's offsets (Q_AT, SC_AT, SC_M, Y_AT), and the arithmetic
+                    q_at, sc_m, y_at = (TILE, TILE, 4 * TILE) if bulk else (1024, 128, 9 * 512)
                     for m in range(nmt):
                         a_lo: dict[int, list] = {j: [] for j in range(4)}
                         a_hi: dict[int, list] = {j: [] for j in range(4)}
                         dd: dict[int, list] = {j: [] for j in range(4)}
                         for lane in range(32):
                             g = lane // 4
-                            w0 = slots[(2 * m, lane)].view(np.uint32)
-                            w1 = slots[(2 * m + 1, lane)].view(np.uint32)
-                            sc = slots[(8, m * 8 + g)].view(np.float16).astype(np.float64)
+                            sc_at = (1024 if bulk else 8 * 512) + g * 16
+                            w0 = st[m * q_at + lane * 16 :][:16].view(np.uint32)
+                            w1 = st[m * q_at + 512 + lane * 16 :][:16].view(np.uint32)
+                            sc = st[sc_at + m * sc_m :][:16].view(np.float16).astype(np.float64)
                             # d[j] = (row g, row g + 8): sc.x = (g: j0, j1), .y = (g: j2, j3), .z / .w: g + 8
                             for j in range(4):
                                 lo0, hi0 = expand(int(w0[j]))
@@ -164,7 +180,8 @@ def run_kernel(
                                 dd[j].append((sc[j], sc[4 + j]))
                         for j in range(4):
                             for n in range(nt):
-                                bf = [slots[(9 + j * nt + n, lane)].view(np.float16).astype(np.float64)
+                                at = y_at + (j * nt + n) * 512
+                                bf = [st[at + lane * 16 :][:16].view(np.float16).astype(np.float64)
                                       for lane in range(32)]  # fmt: skip
                                 cs_lo = mma(a_lo[j], [[(b[0], b[1]), (b[2], b[3])] for b in bf])
                                 cs_hi = mma(a_hi[j], [[(b[4], b[5]), (b[6], b[7])] for b in bf])
@@ -185,16 +202,17 @@ def run_kernel(
     return partial.sum(axis=0)
 
 
+@pytest.mark.parametrize("bulk", [False, True])
 @pytest.mark.parametrize(
     ("rows", "k", "ncols", "ks"),
     [(80, 1024, 12, 1), (48, 1024, 6, 2), (64, 512, 16, 1)],
 )
-def test_the_repacked_kernel_computes_the_product(rows, k, ncols, ks):
+def test_the_repacked_kernel_computes_the_product(rows, k, ncols, ks, bulk):
     rng = np.random.default_rng(rows + k + ncols)
     w = q4_0_rows(rng, rows, k)
     x = rng.standard_normal((ncols, k)).astype(np.float32)
     nt = 1 if ncols <= 8 else 2
-    got = run_kernel(repack(w, rows, k), convert_y(x, 8 * nt), rows, k, ncols, nt, ks)
+    got = run_kernel(repack(w, rows, k), convert_y(x, 8 * nt), rows, k, ncols, nt, ks, bulk)
     want = x.astype(np.float16).astype(np.float64) @ dequant(w, rows, k).T
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
 
