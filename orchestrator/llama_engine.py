@@ -61,14 +61,21 @@ class EngineConfig:
     # come back instead of every row's logits; None: on when the layers run on a GPU
     device_sampling: bool | None = None
     # what runs in the graph: "greedy" (llama.cpp's argmax chain: greedy tasks only) or "mc" (patch
-    # 0012: greedy tasks and sampled ones with top-k 1..64 and no penalties; written, not yet
-    # measured on a GPU)
+    # 0012: greedy tasks and sampled ones with top-k 1..64 and no penalties). H200, 27B, 12 tasks
+    # (bench/results/2026-11-30-h200-repacked.json): sampled tasks 560.0 tok/s with "mc" against
+    # 520.1 with their chains on the host, but greedy tasks 572.1 against the argmax chain's 731.6
+    # (its in-graph top-k over 248,320 logits adds ~2.2 ms a step): so "greedy" stays the default
     device_sampler: str = "greedy"
     # threads that run several tasks' sampler chains at once (llama.cpp's calls and numpy's large
     # loops release the GIL). H200 host (32 cores), 12 sampled tasks: 4.53 against 5.11 ms of host
-    # work a step; a 2-core CPU: 5.7 against 5.0 ms (slower). 0: min(slots, CPU cores) with at least 4
-    # cores, else 1; 1: one after the other on the engine thread
+    # work a step in one run, 7.43 against 5.43 (slower) in another; a 2-core CPU: 5.7 against 5.0 ms
+    # (slower). 0: min(slots, CPU cores) with at least 4 cores, else 1; 1: one after the other on
+    # the engine thread
     sampling_threads: int = 0
+    # patch 0015 (MC_MMH_REPACK=1): the 6-16-column products on a copy of the Q4_0 weights laid out
+    # for the tensor cores; as much GPU memory again as those weights. The library reads the
+    # setting at its first graph evaluation in the process, so it acts only if set before that
+    repacked_weights: bool = False
 
 
 def context_from_settings(settings) -> ContextParams:
@@ -113,6 +120,7 @@ def config_from_settings(settings) -> EngineConfig:
         max_sessions=settings.max_sessions,
         loop_guard=guard,
         max_queue=settings.max_queue,
+        repacked_weights=settings.repacked_weights,
     )
 
 
@@ -157,6 +165,8 @@ class LlamaEngine(Engine):
             raise ValueError(f"sampling_threads: must be >= 0 (got {config.sampling_threads})")
         check_backend()
         self.cfg = config
+        if config.repacked_weights:
+            os.environ["MC_MMH_REPACK"] = "1"  # before the first graph evaluation (the library reads it once)
         self.model = Model(model_path, n_gpu_layers)
         self.ctx = Context(self.model, config.context)
         self.batch = Batch(config.context.n_batch)

@@ -31,7 +31,7 @@
 # memory and instruction-statistics sections, and the warps stalled per issued instruction by
 # reason, of the first MC_SBS_KDETAIL_COUNT (24) matching launches in a step of MC_SBS_KDETAIL_K
 # (16) tokens, for each build in MC_SBS_KDETAIL_BUILDS (default patched); MC_SBS_KDETAIL_SETTINGS:
-# a space list of VAR=VAL settings to run it under too, "default" for none); the patched build's
+# a space list of VAR=VAL[+VAR=VAL] settings to run it under too, "default" for none); the patched build's
 # mc-mmv.cu SASS (cuobjdump, where the machine has it),
 # MC_SBS_ENGINE (1: run the engine part), MC_SBS_OPS (ops checked by test-backend-ops),
 # MC_SBS_VARIANTS (settings of the patched build to measure too, a comma list of NAME:VAR=VAL[+VAR=VAL]
@@ -239,7 +239,7 @@ for B in ${BUILDS//,/ }; do
   if [ -n "${MC_SBS_KDETAIL:-}" ] && [ "$BACKEND" = cuda ] && want "$B" ",${MC_SBS_KDETAIL_BUILDS:-patched},"; then
     for item in ${MC_SBS_KDETAIL_SETTINGS:-default}; do  # e.g. "default MC_MMQ_VARIANT=wk"
       kname=$B-kdetail; kenv=()
-      [ "$item" = default ] || { kname=$B-kdetail-${item//[^A-Za-z0-9]/_}; kenv=("$item"); }
+      [ "$item" = default ] || { kname=$B-kdetail-${item//[^A-Za-z0-9]/_}; read -ra kenv <<< "${item//+/ }"; }
       step "$kname" 90 env "${kenv[@]}" ncu --clock-control none --profile-from-start off \
         --kernel-name "regex:$MC_SBS_KDETAIL" --launch-count "${MC_SBS_KDETAIL_COUNT:-24}" \
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \

@@ -353,3 +353,23 @@ def test_patch_0012_samples_greedy_and_sampled_tasks_in_the_graph(gemma_path):
         engine.close()
     with pytest.raises(ValueError, match="device_sampler: must be 'greedy' or 'mc'"):
         make_engine(gemma_path, device_sampler="gpu")
+
+
+def test_the_repacked_weights_setting_reaches_the_library(gemma_path, monkeypatch):
+    """--repacked-weights: the engine config carries it from the settings, and the engine sets
+    MC_MMH_REPACK=1 before its model is loaded (the library reads it at its first graph evaluation;
+    on this CPU build the CUDA path is absent and the same tokens come out)."""
+    from orchestrator.llama_engine import config_from_settings
+    from orchestrator.settings import Settings
+
+    assert config_from_settings(Settings(repacked_weights=True)).repacked_weights is True
+    assert config_from_settings(Settings()).repacked_weights is False
+    monkeypatch.delenv("MC_MMH_REPACK", raising=False)
+    engine = make_engine(gemma_path, repacked_weights=True)
+    try:
+        import os
+
+        assert os.environ.get("MC_MMH_REPACK") == "1"
+        assert len(run_tokens(engine.submit(greedy(engine, PROMPTS[0], 8)))) == 8
+    finally:
+        engine.close()
