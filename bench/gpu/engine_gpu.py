@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -43,13 +44,22 @@ def main() -> None:
         "--skip-sampled", action="store_true", help="leave out the sampled / mc-sampler 12-task steps"
     )
     ap.add_argument(
+        "--repacked-weights",
+        action="store_true",
+        help="patch 0015's repacked weight copies on (MC_MMH_REPACK=1, set before any model loads: the "
+        "library reads it once per process)",
+    )
+    ap.add_argument(
         "--skip-steps",
         action="store_true",
         help="leave out the greedy 12-task step breakdowns and the bare decode loop (the aggregate, "
         "the sampled steps and the swap figures still run)",
     )
     args = ap.parse_args()
+    if args.repacked_weights:
+        os.environ["MC_MMH_REPACK"] = "1"
     res: dict = {"git_commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "model": str(args.model)}
+    res["repacked_weights"] = os.environ.get("MC_MMH_REPACK", "0") != "0"
     res["numa"] = numa.describe(0)
     print(f"numa: {res['numa']}", flush=True)
     from bench.engine_steps import measure

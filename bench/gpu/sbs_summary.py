@@ -261,6 +261,11 @@ def main() -> None:
                     res[f"pause_ms_{name}{suffix}"] = round(fig["pause_ms"], 2)
                     res[f"resume_ms_{name}{suffix}"] = round(fig["resume_ms"], 2)
         res["engine_agg_tok_s_12"] = e.get("agg_tok_s_12")
+    rep = st / "engine-repacked.json"  # MC_SBS_ENGINE_REPACKED: the engine with patch 0015's copies
+    if rep.exists():
+        res["engine_repacked"] = json.loads(rep.read_text())
+        res["engine_agg_tok_s_12_repacked"] = res["engine_repacked"].get("agg_tok_s_12")
+        print(f"engine, repacked weights, 12 tasks: {res['engine_agg_tok_s_12_repacked']}")
     numa = st / "numa.json"  # bench/gpu/numa_probe.py: page-locked memory by NUMA binding
     if numa.exists():
         res["numa_probe"] = json.loads(numa.read_text())
