@@ -26,7 +26,8 @@
 # Settings (environment): MC_STATE (default /tmp/mcs), MC_CUDA_ARCH (default: this GPU's),
 # MC_SBS_BUILDS (stock,patched), MC_SBS_PROFILE (builds to profile with ncu, e.g. stock),
 # MC_SBS_PROFILE_K (tokens of the profiled step, a comma list, default 1; 16: a verify step; 12x1:
-# 12 sequences of one token each),
+# 12 sequences of one token each), MC_SBS_PROFILE_SETTINGS (a space list of VAR=VAL[+VAR=VAL] settings
+# to profile under, "default" for none; default: default),
 # MC_SBS_KDETAIL (a kernel-name regex, e.g. mc_mmq: ncu's speed-of-light, occupancy, warp-state,
 # memory and instruction-statistics sections, and the warps stalled per issued instruction by
 # reason, of the first MC_SBS_KDETAIL_COUNT (24) matching launches in a step of MC_SBS_KDETAIL_K
@@ -254,8 +255,12 @@ for B in ${BUILDS//,/ }; do
     for K in ${MC_SBS_PROFILE_K//,/ }; do  # one decode step of K tokens (K > 1: a verify step); SxK: S sequences
       seqs=1; case $K in *x*) seqs=${K%%x*}; K=${K#*x} ;; esac
       name=$B-profile; [ "$K" = 1 ] || name=$B-profile-k$K; [ "$seqs" = 1 ] || name=$B-profile-s${seqs}k$K
-      step "$name" 90 ncu --clock-control none --cache-control none --profile-from-start off \
-        --metrics gpu__time_duration.sum --print-units base --csv --page raw "$S/$B/mc_gpu_bench" profile "$MODEL" 512 1 "$K" "$seqs"
+      for item in ${MC_SBS_PROFILE_SETTINGS:-default}; do  # e.g. "default MC_MMH_REPACK=1"
+        pname=$name; penv=()
+        [ "$item" = default ] || { pname=$name-${item//[^A-Za-z0-9]/_}; read -ra penv <<< "${item//+/ }"; }
+        step "$pname" 90 env "${penv[@]}" ncu --clock-control none --cache-control none --profile-from-start off \
+          --metrics gpu__time_duration.sum --print-units base --csv --page raw "$S/$B/mc_gpu_bench" profile "$MODEL" 512 1 "$K" "$seqs"
+      done
     done ;;
   esac
   unset LD_LIBRARY_PATH
