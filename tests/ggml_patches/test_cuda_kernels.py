@@ -65,6 +65,11 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     forms = sorted((nt, st, bulk) for nt, st, bulk, _ in mmr)
     assert forms == sorted((nt, st, b) for nt, st in (("1", "3"), ("2", "2"), ("2", "3")) for b in "01"), mmr
     assert all(int(r) <= 255 for *_, r in mmr), mmr
+    # MC_MMR_BALANCE: the bulk form over even unit ranges, one and two column tiles, 3 stages
+    bal = re.findall(
+        r"Compiling entry function '_Z15mc_mmr_bal_q4_0ILi(\d)ELi3EE\w+'.*?Used (\d+) registers", report, re.S
+    )
+    assert sorted(nt for nt, _ in bal) == ["1", "2"] and all(int(r) <= 255 for _, r in bal), bal
     assert "Compiling entry function '_Z13mc_mmr_repack" in report
     assert "Compiling entry function '_Z16mc_mmr_convert_y" in report
     # Q6_K at one column (the output matrix): one kernel, registers for its 6 blocks of 128 threads

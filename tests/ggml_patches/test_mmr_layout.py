@@ -224,3 +224,62 @@ def test_the_repack_moves_every_byte_once():
     r = repack(w, 32, 512)
     assert r.size == w.size
     assert np.array_equal(np.sort(r), np.sort(w.reshape(-1)))
+
+
+def balanced_schedule(ntiles: int, nchunks: int, g: int) -> tuple[int, dict, dict]:
+    """MC_MMR_BALANCE's schedule as mc_mmr_bal_q4_0 and its launcher cut it: block b takes units
+    [b W / G, (b + 1) W / G) (unit u: tile u // nchunks, chunk u % nchunks); a segment ends at a
+    tile's last chunk or at the range's end, and writes partials[tile][block - first block of the
+    tile]; the tile's counter reaching its part count makes that block the finisher. Returns the
+    host's maxparts, the slots written {(tile, part): (block, units)} and the finisher of each tile."""
+    w = ntiles * nchunks
+
+    def block_of(u: int) -> int:
+        return ((u + 1) * g - 1) // w
+
+    maxparts = max(block_of((t + 1) * nchunks - 1) - block_of(t * nchunks) + 1 for t in range(ntiles))
+    slots: dict[tuple[int, int], tuple[int, list[int]]] = {}
+    counters = [0] * ntiles
+    finisher: dict[int, int] = {}
+    for b in range(g):
+        begin, end = b * w // g, (b + 1) * w // g
+        units: list[int] = []
+        for u in range(begin, end):
+            assert block_of(u) == b
+            units.append(u)
+            if (u + 1) % nchunks != 0 and u != end - 1:
+                continue
+            t = u // nchunks
+            first = block_of(t * nchunks)
+            part, parts = b - first, block_of((t + 1) * nchunks - 1) - first + 1
+            assert 0 <= part < parts <= maxparts
+            assert (t, part) not in slots
+            slots[(t, part)] = (b, [x for x in units if x // nchunks == t])
+            units = []
+            counters[t] += 1
+            if counters[t] == parts:
+                assert t not in finisher
+                finisher[t] = b
+    return maxparts, slots, finisher
+
+
+@pytest.mark.parametrize(
+    ("ntiles", "nchunks", "g"),
+    [(544, 10, 264), (80, 12, 264), (80, 34, 264), (1, 10, 10), (3, 1, 3), (257, 10, 264), (7, 5, 6)],
+)
+def test_the_balanced_schedule_takes_every_unit_once(ntiles, nchunks, g):
+    """Every (tile, chunk) unit lies in exactly one block's segment, each tile's parts are written
+    once each, as slots 0 .. parts - 1, and exactly one block finishes each tile after all of them."""
+    g = min(g, ntiles * nchunks)
+    maxparts, slots, finisher = balanced_schedule(ntiles, nchunks, g)
+    seen = sorted(u for _, units in slots.values() for u in units)
+    assert seen == list(range(ntiles * nchunks))
+    for t in range(ntiles):
+        parts = sorted(p for tt, p in slots if tt == t)
+        assert parts == list(range(len(parts))) and len(parts) <= maxparts
+        blocks = [slots[(t, p)][0] for p in parts]
+        assert blocks == list(range(blocks[0], blocks[0] + len(blocks)))  # consecutive blocks
+        assert finisher[t] in blocks
+    # an even cut: no block holds more than one unit above another
+    sizes = [(b + 1) * ntiles * nchunks // g - b * ntiles * nchunks // g for b in range(g)]
+    assert max(sizes) - min(sizes) <= 1
