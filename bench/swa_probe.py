@@ -72,10 +72,25 @@ def probe(model_path: Path, n: int) -> dict:
     }
 
 
+def _lengths(text: str) -> list[int]:
+    """--lengths: whole numbers from 1 to 2,800 (the probe's context holds 3,072 tokens)."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be whole numbers separated by commas (got {text!r})"
+        ) from None
+    if not out or not all(1 <= n <= 2800 for n in out):
+        raise argparse.ArgumentTypeError(f"each length must be from 1 to 2800 (got {text!r})")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", type=Path)
-    ap.add_argument("--lengths", default="500,513,520,600")
+    ap.add_argument(
+        "--lengths", default="500,513,520,600", type=_lengths, help="prompt lengths, a comma list"
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     model = args.model
@@ -99,7 +114,7 @@ def main() -> None:
         "rows": [],
     }
     print(f"{'tokens':>7}{'window':>8}{'restored':>10}{'rechunked':>11}{'argmax':>8}")
-    for n in [int(x) for x in args.lengths.split(",") if x]:
+    for n in args.lengths:
         r = probe(model, n)
         res["rows"].append(r)
         print(
