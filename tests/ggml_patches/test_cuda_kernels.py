@@ -65,17 +65,20 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     forms = sorted((nt, st, bulk) for nt, st, bulk, _ in mmr)
     assert forms == sorted((nt, st, b) for nt, st in (("1", "3"), ("2", "2"), ("2", "3")) for b in "01"), mmr
     assert all(int(r) <= 255 for *_, r in mmr), mmr
-    # MC_MMR_BALANCE: the bulk form over even unit ranges, one and two column tiles, 3 stages
-    bal = re.findall(
-        r"Compiling entry function '_Z15mc_mmr_bal_q4_0ILi(\d)ELi3EE\w+'.*?Used (\d+) registers", report, re.S
-    )
-    assert sorted(nt for nt, _ in bal) == ["1", "2"] and all(int(r) <= 255 for _, r in bal), bal
+    # MC_MMR_BALANCE (measured slower, dropped): no kernel of its own any more
+    assert "mc_mmr_bal_q4_0" not in report
     assert "Compiling entry function '_Z13mc_mmr_repack" in report
     assert "Compiling entry function '_Z16mc_mmr_convert_y" in report
     # Q6_K at one column (the output matrix): one kernel, registers for its 6 blocks of 128 threads
     # per SM (65,536 / 768 = 85, allocated in steps of 8)
     q6k = re.findall(r"Compiling entry function '_Z11mc_mmv_q6_K\w+'.*?Used (\d+) registers", report, re.S)
     assert len(q6k) == 1 and int(q6k[0]) <= 80, q6k
+    # Q6_K at 2..16 columns (patch 0016): one and two tiles of 8 columns, registers for 3 blocks of 128
+    # threads an SM (65,536 / 384 = 170), and the activations' int8 quantizer
+    name = r"Compiling entry function '_Z11mc_mmq_q6_KILi(\d)EE\w+'.*?Used (\d+) registers"
+    q6km = re.findall(name, report, re.S)
+    assert sorted(nt for nt, _ in q6km) == ["1", "2"] and all(int(r) <= 168 for _, r in q6km), q6km
+    assert "Compiling entry function '_Z16mc_q6km_quantize" in report
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), spills
 
@@ -157,11 +160,14 @@ def test_the_dispatch_reaches_the_kernel(patched):
     assert at < main.index("ggml_cuda_mul_mat_q(ctx, src0, src1, nullptr, dst);", at)
     mc = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
     assert "ncols >= mc_mmq_min_cols()" in mc
-    # Q6_K weights (the output matrix) take the same entry: its one-column kernel or nothing
     entry = mc.index("bool ggml_cuda_mc_mmv(ggml_backend_cuda_context & ctx")
-    q6k = mc.index("return mc_mmv_q6_K_try(ctx, src0, src1, dst, fusion);", entry)
-    assert q6k < mc.index("mc_mmv_supported(", entry)
+    # Q6_K weights (the output matrix) take the same entry: one column its one-column kernel, 2..16
+    # the tensor-core kernel (patch 0016), or nothing (stock)
+    q6k = mc.index("return src1->ne[1] == 1 ? mc_mmv_q6_K_try(ctx, src0, src1, dst, fusion) :", entry)
+    many = mc.index("mc_mmq_q6_K_try(ctx, src0, src1, dst, fusion);", q6k)
+    assert q6k < many < mc.index("mc_mmv_supported(", entry)
     tests = (patched / "tests/test-backend-ops.cpp").read_text()
     assert "MegaCapybara mc-mmv.cu" in tests
     assert "new test_mul_mat(GGML_TYPE_Q6_K, GGML_TYPE_F32, m, 1, k" in tests
+    assert "new test_mul_mat(GGML_TYPE_Q6_K, GGML_TYPE_F32, 1024, n, 5120" in tests  # n = 2..17
     assert tests.count("new test_mc_mul_mat_group(") >= 4  # grouped products, compared on every column count

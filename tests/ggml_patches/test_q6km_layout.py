@@ -1,0 +1,163 @@
+"""Q6_K at 2..16 columns (mc_mmq_q6_K, patch 0016): a byte-level emulation of the kernel's reads,
+transcribed from mc-mmv.cu: the activations quantized to int8 with one scale per 256 values
+(mc_q6km_quantize), each warp's Q6_K blocks (w, w + 4, ...) of a 16-row span, the words every lane
+reads at the kernel's byte offsets (ql, qh, scales), the 6-bit unpacking, the int8 m16n8k16
+fragment layouts (PTX ISA: A rows g and g + 8 x k 4t..4t+3, B k 4t..4t+3 x column g, C rows g, g + 8 x
+columns 2t, 2t + 1), the int32 sums times the sub-block scales, the floats times d and the column
+scale, the sum over warps. The result must equal a float64 product of ggml's own dequantization of
+the rows (dequantize_row_q6_K's element order, written independently below) and the dequantized
+activations. This machine has no GPU: the GPU run compares the kernel itself against the CPU backend
+(test-backend-ops MUL_MAT, Q6_K cases of 2..17 columns)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+BLOCK = 210  # ql[128], qh[64], scales[16] (int8), d (f16)
+ROWS = 16  # MC_Q6KM_ROWS
+WARPS = 4
+
+
+def q6_k_rows(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
+    nb = k // 256
+    out = np.zeros((rows, nb, BLOCK), np.uint8)
+    out[:, :, :192] = rng.integers(0, 256, (rows, nb, 192), dtype=np.uint8)
+    out[:, :, 192:208] = rng.integers(-128, 128, (rows, nb, 16)).astype(np.int8).view(np.uint8)
+    d = (rng.random((rows, nb)) * 0.01 + 0.001).astype(np.float16)
+    out[:, :, 208:210] = d.view(np.uint8).reshape(rows, nb, 2)
+    return out.reshape(rows, nb * BLOCK)
+
+
+def dequant(w: np.ndarray, rows: int, k: int) -> np.ndarray:
+    """dequantize_row_q6_K (ggml-quants.c): two halves of 128; y[l], y[l + 32], y[l + 64], y[l + 96]
+    from ql[l] low, ql[l + 32] low, ql[l] high, ql[l + 32] high and qh[l] bits 0-1, 2-3, 4-5, 6-7,
+    scales sc[l / 16 + 0, 2, 4, 6]."""
+    b = w.reshape(rows, k // 256, BLOCK)
+    out = np.zeros((rows, k // 256, 256))
+    d = b[:, :, 208:210].copy().view(np.float16).astype(np.float64)[:, :, 0]
+    for half in range(2):
+        ql = b[:, :, 64 * half : 64 * half + 64].astype(np.int64)
+        qh = b[:, :, 128 + 32 * half : 128 + 32 * half + 32].astype(np.int64)
+        sc = b[:, :, 192 + 8 * half : 192 + 8 * half + 8].view(np.int8).astype(np.int64)
+        for i in range(32):
+            is_ = i // 16
+            q1 = ((ql[:, :, i] & 15) | ((qh[:, :, i] >> 0 & 3) << 4)) - 32
+            q2 = ((ql[:, :, i + 32] & 15) | ((qh[:, :, i] >> 2 & 3) << 4)) - 32
+            q3 = ((ql[:, :, i] >> 4) | ((qh[:, :, i] >> 4 & 3) << 4)) - 32
+            q4 = ((ql[:, :, i + 32] >> 4) | ((qh[:, :, i] >> 6 & 3) << 4)) - 32
+            for j, q in enumerate((q1, q2, q3, q4)):
+                out[:, :, 128 * half + i + 32 * j] = d * sc[:, :, is_ + 2 * j] * q
+    return out.reshape(rows, k)
+
+
+def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """mc_q6km_quantize: per column and 256 values, d = amax / 127, q = round(x * 127 / amax)."""
+    ncols, k = x.shape
+    blocks = x.reshape(ncols, k // 256, 256).astype(np.float32)
+    amax = np.abs(blocks).max(axis=2)
+    s = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.rint(blocks * s[:, :, None]).astype(np.int8)
+    return q.reshape(ncols, k), (amax / np.float32(127)).astype(np.float32)
+
+
+def lds_b2(span: np.ndarray, off: np.ndarray) -> np.ndarray:
+    """mc_lds_b2: two 16-bit loads, little-endian, at a 2-byte aligned offset."""
+    assert np.all(off % 2 == 0)
+    b = [span[off + i].astype(np.int64) for i in range(4)]
+    return b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24
+
+
+def vsubss4_20(x: np.ndarray) -> np.ndarray:
+    """__vsubss4(x, 0x20202020) as 4 int8 lanes (values 0..63, no saturation)."""
+    lanes = np.stack([(x >> (8 * i)) & 255 for i in range(4)], axis=-1)
+    assert lanes.max() < 64
+    return lanes - 32
+
+
+def emulate(w: np.ndarray, yq: np.ndarray, yd: np.ndarray, rows: int, k: int) -> np.ndarray:
+    """mc_mmq_q6_K over every block of 16 rows: returns dst [ncols, rows]."""
+    ncols = yq.shape[0]
+    nt_count = 1 if ncols <= 8 else 2
+    nblocks = k // 256
+    row_bytes = nblocks * BLOCK
+    dst = np.full((ncols, rows), np.nan)
+    lane = np.arange(32)
+    g, t = lane // 4, lane % 4
+    for row0 in range(0, rows, ROWS):
+        here = min(ROWS, rows - row0)
+        span = np.zeros(ROWS * row_bytes, np.uint8)  # rows past a partial tile: left as they are (zeros)
+        span[: here * row_bytes] = w[row0 : row0 + here].reshape(-1)
+        red = np.zeros((WARPS, 8 * nt_count, ROWS))
+        for warp in range(WARPS):
+            acc = np.zeros((nt_count, 32, 4))
+            for kb in range(warp, nblocks, WARPS):
+                pa = g * row_bytes + kb * BLOCK
+                pb = (g + 8) * row_bytes + kb * BLOCK
+                isum = np.zeros((nt_count, 32, 4), np.int64)
+                for h in range(2):
+                    for is_ in range(2):
+                        l_ = 16 * is_ + 4 * t
+                        la = [lds_b2(span, pa + h * 64 + l_), lds_b2(span, pa + h * 64 + 32 + l_)]
+                        lb = [lds_b2(span, pb + h * 64 + l_), lds_b2(span, pb + h * 64 + 32 + l_)]
+                        ha = lds_b2(span, pa + 128 + h * 32 + l_)
+                        hb = lds_b2(span, pb + 128 + h * 32 + l_)
+                        for q in range(4):
+                            s = 8 * h + 2 * q + is_
+                            sh = 4 * (q >> 1)
+                            a0 = vsubss4_20(
+                                ((la[q & 1] >> sh) & 0x0F0F0F0F) | ((ha >> (2 * q)) & 0x03030303) << 4
+                            )
+                            a1 = vsubss4_20(
+                                ((lb[q & 1] >> sh) & 0x0F0F0F0F) | ((hb >> (2 * q)) & 0x03030303) << 4
+                            )
+                            sa = span[pa + 192 + s].astype(np.int8).astype(np.int64)
+                            sb = span[pb + 192 + s].astype(np.int8).astype(np.int64)
+                            # the fragments as matrices: A[16 x 16] from (a0, a1), B[16 x 8] per column tile
+                            A = np.zeros((16, 16), np.int64)
+                            A[g[:, None], 4 * t[:, None] + np.arange(4)] = a0
+                            A[g[:, None] + 8, 4 * t[:, None] + np.arange(4)] = a1
+                            for nt in range(nt_count):
+                                col = np.minimum(nt * 8 + g, ncols - 1)
+                                base = kb * 256 + 16 * s + 4 * t
+                                bfrag = yq[col[:, None], base[:, None] + np.arange(4)].astype(np.int64)
+                                B = np.zeros((16, 8), np.int64)
+                                B[4 * t[:, None] + np.arange(4), g[:, None]] = bfrag
+                                C = A @ B
+                                rows_c = [g, g, g + 8, g + 8]
+                                cols_c = [2 * t, 2 * t + 1, 2 * t, 2 * t + 1]
+                                c = np.stack([C[r, cc] for r, cc in zip(rows_c, cols_c, strict=True)], axis=1)
+                                isum[nt] += c * np.stack([sa, sa, sb, sb], axis=1)
+                da = np.array([span[p + 208 : p + 210].view(np.float16)[0] for p in pa], np.float64)
+                db = np.array([span[p + 208 : p + 210].view(np.float16)[0] for p in pb], np.float64)
+                for nt in range(nt_count):
+                    d0 = yd[np.minimum(nt * 8 + 2 * t, ncols - 1), kb]
+                    d1 = yd[np.minimum(nt * 8 + 2 * t + 1, ncols - 1), kb]
+                    acc[nt, :, 0] += isum[nt, :, 0] * (da * d0)
+                    acc[nt, :, 1] += isum[nt, :, 1] * (da * d1)
+                    acc[nt, :, 2] += isum[nt, :, 2] * (db * d0)
+                    acc[nt, :, 3] += isum[nt, :, 3] * (db * d1)
+            for nt in range(nt_count):
+                for i in range(4):
+                    r = g + 8 * (i // 2)
+                    c = nt * 8 + 2 * t + i % 2
+                    red[warp, c, r] = acc[nt, :, i]
+        for c in range(ncols):
+            dst[c, row0 : row0 + here] = red[:, c, :here].sum(axis=0)
+    return dst
+
+
+@pytest.mark.parametrize(("rows", "k", "ncols"), [(40, 1280, 2), (32, 512, 9), (16, 1024, 16), (24, 768, 8)])
+def test_q6km_emulation_matches_dequantized_product(rows, k, ncols):
+    rng = np.random.default_rng(rows * 1000 + ncols)
+    w = q6_k_rows(rng, rows, k)
+    x = rng.standard_normal((ncols, k)).astype(np.float32)
+    yq, yd = quantize(x)
+    got = emulate(w, yq, yd, rows, k)
+    y_deq = yq.astype(np.float64).reshape(ncols, k // 256, 256) * yd.astype(np.float64)[:, :, None]
+    want = y_deq.reshape(ncols, k) @ dequant(w, rows, k).T
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
+    # and the int8 activations stay close to the f32 ones (one scale per 256 values, as the CPU's q8_K)
+    exact = x.astype(np.float64) @ dequant(w, rows, k).T
+    assert np.abs(got - exact).max() < 0.02 * np.abs(exact).max()
