@@ -36,6 +36,8 @@ from orchestrator.models import bundled_gemma  # noqa: E402
 from orchestrator.types import GenerationRequest, SamplingParams, TokenEvent  # noqa: E402
 
 THREADS = os.cpu_count() or 2
+# EngineConfig.repacked_weights of every engine made here (bench/gpu/engine_gpu.py --repacked-weights)
+REPACKED_WEIGHTS = "auto"
 N_PROMPT, N_GEN = 128, 128
 
 
@@ -84,6 +86,7 @@ def engine_aggregate(
         device_sampling=device_sampling,
         sampling_threads=sampling_threads,
         device_sampler=device_sampler,
+        repacked_weights=REPACKED_WEIGHTS,
     )
     engine = LlamaEngine(str(model), cfg, n_gpu_layers)
     try:
@@ -183,6 +186,7 @@ def swap_figures(
         max_sessions=0,
         swap_dir=Path(tempfile.mkdtemp()),
         swap_prealloc_bytes=prealloc_bytes,
+        repacked_weights=REPACKED_WEIGHTS,
     )
     engine = LlamaEngine(str(model), cfg, n_gpu_layers)
     try:

@@ -72,10 +72,17 @@ class EngineConfig:
     # (slower). 0: min(slots, CPU cores) with at least 4 cores, else 1; 1: one after the other on
     # the engine thread
     sampling_threads: int = 0
-    # patch 0015 (MC_MMH_REPACK=1): the 6-16-column products on a copy of the Q4_0 weights laid out
-    # for the tensor cores; as much GPU memory again as those weights. The library reads the
-    # setting at its first graph evaluation in the process, so it acts only if set before that
-    repacked_weights: bool = False
+    # patch 0015: the 4-16-column products on a copy of the Q4_0 weights laid out for the tensor
+    # cores; as much GPU memory again as those weights. "auto" (MC_MMH_REPACK=3): each copy only
+    # while a quarter of the GPU's memory stays free after it; "on" (1): while 1/16 does; "off" (0).
+    # H200, 27B, 12 tasks: 732.1 tok/s off, 934.9 on (bench/results/2026-11-30-h200-q6k.json). The
+    # library reads the setting at its first graph evaluation in the process, so it acts only if set
+    # before that
+    repacked_weights: str = "auto"
+
+
+# EngineConfig.repacked_weights -> the library's MC_MMH_REPACK (patch 0015)
+REPACK_MODES = {"auto": "3", "on": "1", "off": "0"}
 
 
 def context_from_settings(settings) -> ContextParams:
@@ -163,10 +170,13 @@ class LlamaEngine(Engine):
             raise ValueError(f"device_sampler: must be 'greedy' or 'mc' (got {config.device_sampler!r})")
         if config.sampling_threads < 0:
             raise ValueError(f"sampling_threads: must be >= 0 (got {config.sampling_threads})")
+        if config.repacked_weights not in REPACK_MODES:
+            allowed = ", ".join(REPACK_MODES)
+            raise ValueError(f"repacked_weights: must be one of {allowed} (got {config.repacked_weights!r})")
         check_backend()
         self.cfg = config
-        if config.repacked_weights:
-            os.environ["MC_MMH_REPACK"] = "1"  # before the first graph evaluation (the library reads it once)
+        # before the first graph evaluation (the library reads it once; a CPU build ignores it)
+        os.environ["MC_MMH_REPACK"] = REPACK_MODES[config.repacked_weights]
         self.model = Model(model_path, n_gpu_layers)
         self.ctx = Context(self.model, config.context)
         self.batch = Batch(config.context.n_batch)

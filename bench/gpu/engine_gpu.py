@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -45,9 +44,10 @@ def main() -> None:
     )
     ap.add_argument(
         "--repacked-weights",
-        action="store_true",
-        help="patch 0015's repacked weight copies on (MC_MMH_REPACK=1, set before any model loads: the "
-        "library reads it once per process)",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the engine's repacked_weights setting (patch 0015's copies; auto: the engine's default, "
+        "copies while a quarter of the GPU's memory stays free; the library reads it once per process)",
     )
     ap.add_argument(
         "--skip-steps",
@@ -56,10 +56,11 @@ def main() -> None:
         "the sampled steps and the swap figures still run)",
     )
     args = ap.parse_args()
-    if args.repacked_weights:
-        os.environ["MC_MMH_REPACK"] = "1"
+    import bench.engine_cpu
+
+    bench.engine_cpu.REPACKED_WEIGHTS = args.repacked_weights
     res: dict = {"git_commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "model": str(args.model)}
-    res["repacked_weights"] = os.environ.get("MC_MMH_REPACK", "0") != "0"
+    res["repacked_weights"] = args.repacked_weights
     res["numa"] = numa.describe(0)
     print(f"numa: {res['numa']}", flush=True)
     from bench.engine_steps import measure

@@ -265,7 +265,8 @@ def main() -> None:
     if rep.exists():
         res["engine_repacked"] = json.loads(rep.read_text())
         res["engine_agg_tok_s_12_repacked"] = res["engine_repacked"].get("agg_tok_s_12")
-        print(f"engine, repacked weights, 12 tasks: {res['engine_agg_tok_s_12_repacked']}")
+        mode = res["engine_repacked"].get("repacked_weights")
+        print(f"engine, repacked weights {mode}, 12 tasks: {res['engine_agg_tok_s_12_repacked']}")
     numa = st / "numa.json"  # bench/gpu/numa_probe.py: page-locked memory by NUMA binding
     if numa.exists():
         res["numa_probe"] = json.loads(numa.read_text())

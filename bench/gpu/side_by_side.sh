@@ -35,7 +35,8 @@
 # a space list of VAR=VAL[+VAR=VAL] settings to run it under too, "default" for none); the patched build's
 # mc-mmv.cu SASS (cuobjdump, where the machine has it),
 # MC_SBS_ENGINE (1: run the engine part), MC_SBS_ENGINE_REPACKED (engine_gpu.py arguments for a second
-# engine run with patch 0015's repacked weights, e.g. "--tasks 12 --depths none --breakdown , --skip-sampled"),
+# engine run with repacked_weights MC_SBS_ENGINE_REPACKED_MODE, default on: patch 0015's copies; the first
+# run has the engine's default, auto; e.g. "--tasks 12 --depths none --breakdown , --skip-sampled"),
 # MC_SBS_OPS (ops checked by test-backend-ops),
 # MC_SBS_VARIANTS (settings of the patched build to measure too, a comma list of NAME:VAR=VAL[+VAR=VAL]
 # with NAME starting with v, e.g. vnomma:MC_MMV_MMA_MIN_COLS=99; a bare number N means
@@ -290,16 +291,17 @@ m = L.llama_model_load_from_file(sys.argv[1].encode(), p); assert m; print("abi 
   [ "${PIPESTATUS[0]}" = 0 ] && touch "$S/engine.done"
   unset LLAMA_CPP_LIB_PATH LD_LIBRARY_PATH PYTHONPATH  # LD_PRELOAD (if the check set it) stays for the next run
 fi
-# MC_SBS_ENGINE_REPACKED=ARGS: the engine once more with patch 0015's repacked weights (its own
-# process: the library reads the setting once), e.g. "--tasks 12 --depths none --breakdown , --skip-sampled"
+# MC_SBS_ENGINE_REPACKED=ARGS: the engine once more with repacked_weights MC_SBS_ENGINE_REPACKED_MODE
+# (default on; the first run has the engine's default, auto) in its own process (the library reads
+# the setting once), e.g. "--tasks 12 --depths none --breakdown , --skip-sampled"
 if [ "${MC_SBS_ENGINE:-1}" = 1 ] && [ -f "$S/engine.done" ] && [ -n "${MC_SBS_ENGINE_REPACKED:-}" ] &&
    [ ! -f "$S/engine-repacked.done" ]; then
   SRCROOT=$(ls -d "$S"/src/*/ | head -1)
   if [ "$(left)" -lt "${MC_SBS_ENGINE_NEED:-240}" ]; then log "not enough time for the repacked engine; call again"; exit 3; fi
   export LLAMA_CPP_LIB_PATH=$S/patched LD_LIBRARY_PATH=$S/patched PYTHONPATH=$SRCROOT:$ROOT
-  log "engine, repacked weights: bench/gpu/engine_gpu.py $MC_SBS_ENGINE_REPACKED --repacked-weights"
+  log "engine, repacked weights ${MC_SBS_ENGINE_REPACKED_MODE:-on}: bench/gpu/engine_gpu.py $MC_SBS_ENGINE_REPACKED"
   timeout $(( $(left) - 10 )) python3 -c 'import numpy, torch, runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name="__main__")' \
-    bench/gpu/engine_gpu.py "$MODEL" $MC_SBS_ENGINE_REPACKED --repacked-weights --json "$S/engine-repacked.json" 2>&1 | grep -av INFO | tee -a "$S/engine.log"
+    bench/gpu/engine_gpu.py "$MODEL" $MC_SBS_ENGINE_REPACKED --repacked-weights "${MC_SBS_ENGINE_REPACKED_MODE:-on}" --json "$S/engine-repacked.json" 2>&1 | grep -av INFO | tee -a "$S/engine.log"
   [ "${PIPESTATUS[0]}" = 0 ] && touch "$S/engine-repacked.done"
   unset LLAMA_CPP_LIB_PATH LD_LIBRARY_PATH PYTHONPATH
 fi

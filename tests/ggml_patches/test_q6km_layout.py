@@ -111,8 +111,10 @@ def emulate(w: np.ndarray, yq: np.ndarray, yd: np.ndarray, rows: int, k: int) ->
                             a1 = vsubss4_20(
                                 ((lb[q & 1] >> sh) & 0x0F0F0F0F) | ((hb >> (2 * q)) & 0x03030303) << 4
                             )
-                            sa = span[pa + 192 + s].astype(np.int8).astype(np.int64)
-                            sb = span[pb + 192 + s].astype(np.int8).astype(np.int64)
+                            # the scales as 4 words a row, byte s % 4 of word s / 4, sign-extended
+                            sa = (lds_b2(span, pa + 192 + 4 * (s // 4)) >> (8 * (s % 4))) & 255
+                            sb = (lds_b2(span, pb + 192 + 4 * (s // 4)) >> (8 * (s % 4))) & 255
+                            sa, sb = sa - 256 * (sa >= 128), sb - 256 * (sb >= 128)
                             # the fragments as matrices: A[16 x 16] from (a0, a1), B[16 x 8] per column tile
                             A = np.zeros((16, 16), np.int64)
                             A[g[:, None], 4 * t[:, None] + np.arange(4)] = a0

@@ -356,20 +356,28 @@ def test_patch_0012_samples_greedy_and_sampled_tasks_in_the_graph(gemma_path):
 
 
 def test_the_repacked_weights_setting_reaches_the_library(gemma_path, monkeypatch):
-    """--repacked-weights: the engine config carries it from the settings, and the engine sets
-    MC_MMH_REPACK=1 before its model is loaded (the library reads it at its first graph evaluation;
-    on this CPU build the CUDA path is absent and the same tokens come out)."""
+    """--repacked-weights auto|on|off: the engine config carries it from the settings ("auto" by
+    default), and the engine sets the library's MC_MMH_REPACK (3 / 1 / 0) before its model is loaded
+    (the library reads it at its first graph evaluation; on this CPU build the CUDA path is absent
+    and the same tokens come out). Anything else is refused, naming the field and the values."""
+    import os
+
     from orchestrator.llama_engine import config_from_settings
-    from orchestrator.settings import Settings
+    from orchestrator.settings import Settings, SettingsError
 
-    assert config_from_settings(Settings(repacked_weights=True)).repacked_weights is True
-    assert config_from_settings(Settings()).repacked_weights is False
-    monkeypatch.setenv("MC_MMH_REPACK", "0")  # recorded, so the engine's "1" is undone after the test
-    engine = make_engine(gemma_path, repacked_weights=True)
-    try:
-        import os
-
-        assert os.environ.get("MC_MMH_REPACK") == "1"
-        assert len(run_tokens(engine.submit(greedy(engine, PROMPTS[0], 8)))) == 8
-    finally:
-        engine.close()
+    assert config_from_settings(Settings(repacked_weights="on")).repacked_weights == "on"
+    assert config_from_settings(Settings()).repacked_weights == "auto"
+    with pytest.raises(SettingsError, match=r"repacked_weights: must be one of auto, on, off \(got 'yes'\)"):
+        Settings.load(env={"MC_REPACKED_WEIGHTS": "yes"})
+    monkeypatch.setenv("MC_MMH_REPACK", "0")  # recorded, so the engine's value is undone after the test
+    tokens = {}
+    for mode, value in (("on", "1"), ("auto", "3"), ("off", "0")):
+        engine = make_engine(gemma_path, repacked_weights=mode)
+        try:
+            assert os.environ.get("MC_MMH_REPACK") == value
+            tokens[mode] = run_tokens(engine.submit(greedy(engine, PROMPTS[0], 8)))
+        finally:
+            engine.close()
+    assert tokens["on"] == tokens["auto"] == tokens["off"] and len(tokens["on"]) == 8
+    with pytest.raises(ValueError, match="repacked_weights: must be one of auto, on, off"):
+        make_engine(gemma_path, repacked_weights=True)
