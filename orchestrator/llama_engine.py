@@ -75,7 +75,7 @@ class EngineConfig:
     # patch 0015: the 4-16-column products on a copy of the Q4_0 weights laid out for the tensor
     # cores; as much GPU memory again as those weights. "auto" (MC_MMH_REPACK=3): each copy only
     # while a quarter of the GPU's memory stays free after it; "on" (1): while 1/16 does; "off" (0).
-    # H200, 27B, 12 tasks: 732.1 tok/s off, 934.9 on (bench/results/2026-11-30-h200-q6k.json). The
+    # H200, 27B, 12 tasks: 745.4 tok/s off, 934.9 auto (bench/results/2026-11-30-h200-auto.json). The
     # library reads the setting at its first graph evaluation in the process, so it acts only if set
     # before that
     repacked_weights: str = "auto"
