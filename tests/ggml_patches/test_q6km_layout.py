@@ -1,13 +1,13 @@
 """Q6_K at 2..16 columns (mc_mmq_q6_K, patch 0016): a byte-level emulation of the kernel's reads,
 transcribed from mc-mmv.cu: the activations quantized to int8 with one scale per 256 values
-(mc_q6km_quantize), each warp's quarter of every Q6_K block of a 16-row span (sub-blocks 8 h + 2 q +
-is, h = w / 2, is = w % 2), the words every lane reads at the kernel's byte offsets (ql, qh, scales),
-the 6-bit unpacking, the int8 m16n8k16 fragment layouts (PTX ISA: A rows g and g + 8 x k 4t..4t+3, B
-k 4t..4t+3 x column g, C rows g, g + 8 x columns 2t, 2t + 1), the int32 sums times the sub-block
-scales, the floats times d and the column scale, the sum over warps. The result must equal a float64
-product of ggml's own dequantization of the rows (dequantize_row_q6_K's element order, written
-independently below) and the dequantized activations. This machine has no GPU: the GPU run compares
-the kernel itself against the CPU backend (test-backend-ops MUL_MAT, Q6_K cases of 2..17 columns)."""
+(mc_q6km_quantize), each warp's Q6_K blocks (w, w + 4, ...) of a 16-row span, the words every lane
+reads at the kernel's byte offsets (ql, qh, scales), the 6-bit unpacking, the int8 m16n8k16
+fragment layouts (PTX ISA: A rows g and g + 8 x k 4t..4t+3, B k 4t..4t+3 x column g, C rows g, g + 8 x
+columns 2t, 2t + 1), the int32 sums times the sub-block scales, the floats times d and the column
+scale, the sum over warps. The result must equal a float64 product of ggml's own dequantization of
+the rows (dequantize_row_q6_K's element order, written independently below) and the dequantized
+activations. This machine has no GPU: the GPU run compares the kernel itself against the CPU backend
+(test-backend-ops MUL_MAT, Q6_K cases of 2..17 columns)."""
 
 from __future__ import annotations
 
@@ -91,45 +91,45 @@ def emulate(w: np.ndarray, yq: np.ndarray, yd: np.ndarray, rows: int, k: int) ->
         red = np.zeros((WARPS, 8 * nt_count, ROWS))
         for warp in range(WARPS):
             acc = np.zeros((nt_count, 32, 4))
-            h, is_ = warp // 2, warp % 2  # the warp's sub-blocks 8 h + 2 q + is_ of every block
-            for kb in range(nblocks):
+            for kb in range(warp, nblocks, WARPS):
                 pa = g * row_bytes + kb * BLOCK
                 pb = (g + 8) * row_bytes + kb * BLOCK
                 isum = np.zeros((nt_count, 32, 4), np.int64)
-                # the scales of sub-blocks 8 h .. 8 h + 7 as 2 words a row
-                sca = [lds_b2(span, pa + 192 + 8 * h), lds_b2(span, pa + 192 + 8 * h + 4)]
-                scb = [lds_b2(span, pb + 192 + 8 * h), lds_b2(span, pb + 192 + 8 * h + 4)]
-                l_ = 16 * is_ + 4 * t
-                la = [lds_b2(span, pa + h * 64 + l_), lds_b2(span, pa + h * 64 + 32 + l_)]
-                lb = [lds_b2(span, pb + h * 64 + l_), lds_b2(span, pb + h * 64 + 32 + l_)]
-                ha = lds_b2(span, pa + 128 + h * 32 + l_)
-                hb = lds_b2(span, pb + 128 + h * 32 + l_)
-                for q in range(4):
-                    s = 8 * h + 2 * q + is_
-                    sh = 4 * (q >> 1)
-                    a0 = vsubss4_20(((la[q & 1] >> sh) & 0x0F0F0F0F) | ((ha >> (2 * q)) & 0x03030303) << 4)
-                    a1 = vsubss4_20(((lb[q & 1] >> sh) & 0x0F0F0F0F) | ((hb >> (2 * q)) & 0x03030303) << 4)
-                    # byte (2 q + is) % 4 of scale word q / 2, sign-extended
-                    sa = (sca[q // 2] >> (8 * ((2 * q + is_) % 4))) & 255
-                    sb = (scb[q // 2] >> (8 * ((2 * q + is_) % 4))) & 255
-                    sa, sb = sa - 256 * (sa >= 128), sb - 256 * (sb >= 128)
-                    # the fragments as matrices: A[16 x 16] from (a0, a1), B[16 x 8] per column tile
-                    A = np.zeros((16, 16), np.int64)
-                    A[g[:, None], 4 * t[:, None] + np.arange(4)] = a0
-                    A[g[:, None] + 8, 4 * t[:, None] + np.arange(4)] = a1
-                    for nt in range(nt_count):
-                        # mc_q6km_load_y: column nt 8 + g, bytes 16 (8 h + is) + 4 t + 32 q of block kb
-                        col = np.minimum(nt * 8 + g, ncols - 1)
-                        base = kb * 256 + 16 * (8 * h + is_) + 4 * t + 32 * q
-                        assert np.array_equal(base, kb * 256 + 16 * s + 4 * t)
-                        bfrag = yq[col[:, None], base[:, None] + np.arange(4)].astype(np.int64)
-                        B = np.zeros((16, 8), np.int64)
-                        B[4 * t[:, None] + np.arange(4), g[:, None]] = bfrag
-                        C = A @ B
-                        rows_c = [g, g, g + 8, g + 8]
-                        cols_c = [2 * t, 2 * t + 1, 2 * t, 2 * t + 1]
-                        c = np.stack([C[r, cc] for r, cc in zip(rows_c, cols_c, strict=True)], axis=1)
-                        isum[nt] += c * np.stack([sa, sa, sb, sb], axis=1)
+                for h in range(2):
+                    for is_ in range(2):
+                        l_ = 16 * is_ + 4 * t
+                        la = [lds_b2(span, pa + h * 64 + l_), lds_b2(span, pa + h * 64 + 32 + l_)]
+                        lb = [lds_b2(span, pb + h * 64 + l_), lds_b2(span, pb + h * 64 + 32 + l_)]
+                        ha = lds_b2(span, pa + 128 + h * 32 + l_)
+                        hb = lds_b2(span, pb + 128 + h * 32 + l_)
+                        for q in range(4):
+                            s = 8 * h + 2 * q + is_
+                            sh = 4 * (q >> 1)
+                            a0 = vsubss4_20(
+                                ((la[q & 1] >> sh) & 0x0F0F0F0F) | ((ha >> (2 * q)) & 0x03030303) << 4
+                            )
+                            a1 = vsubss4_20(
+                                ((lb[q & 1] >> sh) & 0x0F0F0F0F) | ((hb >> (2 * q)) & 0x03030303) << 4
+                            )
+                            # the scales as 4 words a row, byte s % 4 of word s / 4, sign-extended
+                            sa = (lds_b2(span, pa + 192 + 4 * (s // 4)) >> (8 * (s % 4))) & 255
+                            sb = (lds_b2(span, pb + 192 + 4 * (s // 4)) >> (8 * (s % 4))) & 255
+                            sa, sb = sa - 256 * (sa >= 128), sb - 256 * (sb >= 128)
+                            # the fragments as matrices: A[16 x 16] from (a0, a1), B[16 x 8] per column tile
+                            A = np.zeros((16, 16), np.int64)
+                            A[g[:, None], 4 * t[:, None] + np.arange(4)] = a0
+                            A[g[:, None] + 8, 4 * t[:, None] + np.arange(4)] = a1
+                            for nt in range(nt_count):
+                                col = np.minimum(nt * 8 + g, ncols - 1)
+                                base = kb * 256 + 16 * s + 4 * t
+                                bfrag = yq[col[:, None], base[:, None] + np.arange(4)].astype(np.int64)
+                                B = np.zeros((16, 8), np.int64)
+                                B[4 * t[:, None] + np.arange(4), g[:, None]] = bfrag
+                                C = A @ B
+                                rows_c = [g, g, g + 8, g + 8]
+                                cols_c = [2 * t, 2 * t + 1, 2 * t, 2 * t + 1]
+                                c = np.stack([C[r, cc] for r, cc in zip(rows_c, cols_c, strict=True)], axis=1)
+                                isum[nt] += c * np.stack([sa, sa, sb, sb], axis=1)
                 da = np.array([span[p + 208 : p + 210].view(np.float16)[0] for p in pa], np.float64)
                 db = np.array([span[p + 208 : p + 210].view(np.float16)[0] for p in pb], np.float64)
                 for nt in range(nt_count):
