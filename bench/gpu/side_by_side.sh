@@ -218,28 +218,7 @@ for B in ${BUILDS//,/ }; do
       step "$B-ops-$op" 60 "$S/$B/test-backend-ops" test -b CUDA0 -o "$op"
     done
   fi
-  if [ "$B" = patched ] && [ -n "${MC_SBS_VARIANTS:-}" ]; then  # kernel variants: settings of the patched build
-    for item in ${MC_SBS_VARIANTS//,/ }; do
-      case "$item" in
-        *:*) v=${item%%:*} settings=${item#*:} ;;
-        *) v=v$item settings=MC_MMV_VARIANT=$item ;;  # a bare number: MC_MMV_VARIANT
-      esac
-      per=MC_SBS_VARIANT_MEASURE_$v  # one variant's own list, e.g. MC_SBS_VARIANT_MEASURE_vyq=logits,tg,ops
-      vmeasure=,${!per:-${MC_SBS_VARIANT_MEASURE:-logits,tg,verify1,ops}},
-      for kv in ${settings//+/ }; do export "${kv?}"; done
-      log "variant $v: $settings"
-      want logits "$vmeasure" && step "$B-$v-logits" 60 "$S/$B/mc_gpu_bench" logits "$MODEL" "$S/$B-$v-logits.bin"
-      want tg "$vmeasure" && step "$B-$v-tg" 150 "$S/$B/mc_gpu_bench" tg "$MODEL" 0,4096,32768 64
-      want verify1 "$vmeasure" && step "$B-$v-verify1" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 1 1,2,4,8,12,16
-      want verify12 "$vmeasure" && step "$B-$v-verify12" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 12 1,2,4
-      want batched "$vmeasure" && step "$B-$v-batched" 150 "$S/$B/llama-batched-bench" -m "$MODEL" -c 16384 -b 2048 -ub 512 \
-        -npp 512 -ntg 128 -npl 1,2,4,8,12,16 -ngl 99 -fa on --output-format jsonl
-      [ "$BACKEND" = cuda ] && want ops "$vmeasure" && for op in ${OPS//,/ }; do
-        step "$B-$v-ops-$op" 120 "$S/$B/test-backend-ops" test -b CUDA0 -o "$op"
-      done
-      for kv in ${settings//+/ }; do unset "${kv%%=*}"; done
-    done
-  fi
+  # the kernel-level figures (ncu) before the settings' variants: a call cut short keeps them
   if [ -n "${MC_SBS_KDETAIL:-}" ] && [ "$BACKEND" = cuda ] && want "$B" ",${MC_SBS_KDETAIL_BUILDS:-patched},"; then
     for item in ${MC_SBS_KDETAIL_SETTINGS:-default}; do  # e.g. "default MC_MMQ_VARIANT=wk"
       kname=$B-kdetail; kenv=()
@@ -264,6 +243,28 @@ for B in ${BUILDS//,/ }; do
       done
     done ;;
   esac
+  if [ "$B" = patched ] && [ -n "${MC_SBS_VARIANTS:-}" ]; then  # kernel variants: settings of the patched build
+    for item in ${MC_SBS_VARIANTS//,/ }; do
+      case "$item" in
+        *:*) v=${item%%:*} settings=${item#*:} ;;
+        *) v=v$item settings=MC_MMV_VARIANT=$item ;;  # a bare number: MC_MMV_VARIANT
+      esac
+      per=MC_SBS_VARIANT_MEASURE_$v  # one variant's own list, e.g. MC_SBS_VARIANT_MEASURE_vyq=logits,tg,ops
+      vmeasure=,${!per:-${MC_SBS_VARIANT_MEASURE:-logits,tg,verify1,ops}},
+      for kv in ${settings//+/ }; do export "${kv?}"; done
+      log "variant $v: $settings"
+      want logits "$vmeasure" && step "$B-$v-logits" 60 "$S/$B/mc_gpu_bench" logits "$MODEL" "$S/$B-$v-logits.bin"
+      want tg "$vmeasure" && step "$B-$v-tg" 150 "$S/$B/mc_gpu_bench" tg "$MODEL" 0,4096,32768 64
+      want verify1 "$vmeasure" && step "$B-$v-verify1" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 1 1,2,4,8,12,16
+      want verify12 "$vmeasure" && step "$B-$v-verify12" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 12 1,2,4
+      want batched "$vmeasure" && step "$B-$v-batched" 150 "$S/$B/llama-batched-bench" -m "$MODEL" -c 16384 -b 2048 -ub 512 \
+        -npp 512 -ntg 128 -npl 1,2,4,8,12,16 -ngl 99 -fa on --output-format jsonl
+      [ "$BACKEND" = cuda ] && want ops "$vmeasure" && for op in ${OPS//,/ }; do
+        step "$B-$v-ops-$op" 120 "$S/$B/test-backend-ops" test -b CUDA0 -o "$op"
+      done
+      for kv in ${settings//+/ }; do unset "${kv%%=*}"; done
+    done
+  fi
   unset LD_LIBRARY_PATH
 done
 
