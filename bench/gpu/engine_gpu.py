@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -94,6 +95,9 @@ def main() -> None:
             Path(args.json).write_text(json.dumps(res, indent=2))
     res["swap_pinned"] = _pinned_probe()
     print(f"swap pool pinned: {res['swap_pinned']}", flush=True)
+    # what the engines made here set for the library (patch 0015; the first one's value counts)
+    res["mc_mmh_repack"] = os.environ.get("MC_MMH_REPACK")
+    Path(args.json).write_text(json.dumps(res, indent=2))
     for kv in ("f16", "q8_0"):
         for depth in [int(d) for d in args.depths.split(",") if d and d != "none"]:
             fig = swap_figures(
