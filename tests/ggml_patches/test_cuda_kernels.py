@@ -69,6 +69,12 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     assert all(int(r) <= 255 for *_, r in mmr), mmr
     if arch == "90":  # the 2-stage bulk form holds 3 blocks an SM on Hopper: 65,536 / 384 = 170 registers
         assert all(int(r) <= 168 for nt, st, b, r in mmr if st == "2" and b == "1"), mmr
+    # MC_MMR_PAIRS: 8 warps a block, one and two column tiles, 3 stages; on Hopper 2 blocks an SM (16
+    # warps): at most 128 registers
+    name = r"Compiling entry function '_Z16mc_mmr_pair_q4_0ILi(\d)ELi3EE\w+'.*?Used (\d+) registers"
+    pairs = re.findall(name, report, re.S)
+    assert sorted(nt for nt, _ in pairs) == ["1", "2"], pairs
+    assert arch != "90" or all(int(r) <= 128 for _, r in pairs), pairs
     # MC_MMR_BALANCE (measured slower, dropped): no kernel of its own any more
     assert "mc_mmr_bal_q4_0" not in report
     assert "Compiling entry function '_Z13mc_mmr_repack" in report

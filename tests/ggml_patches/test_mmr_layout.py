@@ -224,3 +224,97 @@ def test_the_repack_moves_every_byte_once():
     r = repack(w, 32, 512)
     assert r.size == w.size
     assert np.array_equal(np.sort(r), np.sort(w.reshape(-1)))
+
+
+def pair_pipeline(nchunks: int, stages: int, rng: np.random.Generator) -> list[tuple[int, int]]:
+    """MC_MMR_PAIRS' pipeline for one quad, as mc_mmr_pair_q4_0 runs it, under a random interleaving:
+    warp 0 (whose lane 0 is the producer) and warp 1 both consume every chunk; full[s] completes when a
+    fill of stage s lands, empty[s] (count 2) when both warps arrived after reading it. A wait on
+    parity p passes once the barrier's completed-phase count has parity != p (PTX try_wait.parity).
+    Returns (warp, chunk) for every chunk read, after checking that each read found its own chunk in
+    the stage and that no fill landed in a stage a warp was reading."""
+    full = [0] * stages  # completed phases
+    empty = [0] * stages
+    empty_pending = [2] * stages
+    stage_chunk = [-1] * stages
+    reading = [set() for _ in range(stages)]
+    in_flight: list[tuple[int, int]] = []  # fills issued, not landed: (chunk, stage)
+    reads: list[tuple[int, int]] = []
+
+    def issue(x: int) -> None:
+        in_flight.append((x, x % stages))
+
+    def warp_program(w: int):
+        if w == 0:
+            for s in range(stages - 1):
+                if s < nchunks:
+                    issue(s)
+        for c in range(nchunks):
+            s = c % stages
+            while full[s] % 2 == (c // stages) % 2:  # mc_mbar_wait(full, (c / STAGES) & 1)
+                yield
+            x = c + stages - 1
+            if w == 0 and x < nchunks:
+                sx = x % stages
+                if x >= stages:
+                    while empty[sx] % 2 == (x // stages - 1) % 2:
+                        yield
+                issue(x)
+            reading[s].add(w)
+            yield  # the chunk's arithmetic takes a while
+            assert stage_chunk[s] == c, (w, c, stage_chunk[s])
+            reads.append((w, c))
+            reading[s].discard(w)
+            empty_pending[s] -= 1  # lane 0's arrive
+            if empty_pending[s] == 0:
+                empty[s] += 1
+                empty_pending[s] = 2
+
+    actors = [warp_program(0), warp_program(1)]
+    done = [False, False]
+    for _ in range(100_000):
+        if all(done) and not in_flight:
+            break
+        moves = [i for i in range(2) if not done[i]] + (["land"] if in_flight else [])
+        pick = moves[rng.integers(len(moves))]
+        if pick == "land":
+            x, s = in_flight.pop(int(rng.integers(len(in_flight))))  # fills land in any order
+            assert not reading[s], (x, s, reading[s])  # a fill never lands under a reader
+            stage_chunk[s] = x
+            full[s] += 1
+        else:
+            try:
+                next(actors[pick])
+            except StopIteration:
+                done[pick] = True
+    else:
+        raise AssertionError("the pipeline did not finish (a wait that never passes)")
+    return reads
+
+
+@pytest.mark.parametrize(("nchunks", "stages"), [(10, 3), (1, 3), (2, 3), (7, 2), (34, 3)])
+def test_the_pair_form_pipeline_reads_every_chunk_in_order(nchunks, stages):
+    """MC_MMR_PAIRS: over many random interleavings both warps of a quad read chunks 0 .. n - 1 in
+    order, each from a stage that holds it, with no refill landing under a reader and no deadlock."""
+    for seed in range(200):
+        reads = pair_pipeline(nchunks, stages, np.random.default_rng(seed))
+        for w in range(2):
+            assert [c for ww, c in reads if ww == w] == list(range(nchunks))
+
+
+def test_the_pair_form_reduction_covers_each_sum_once():
+    """mc_mmr_reduce_pairs: warp w (quad w % 4, half w / 4) writes rows (2 half + mm) 16 + g (+ 8) of
+    its quad's slot; over 8 warps every (quad, column, row) slot of the 64-row block is written once."""
+    for nt in (1, 2):
+        slots = []
+        for warp in range(8):
+            quad, half = warp % WARPS, warp // WARPS
+            for mm in range(2):
+                for n in range(nt):
+                    for lane in range(32):
+                        g, t = lane // 4, lane % 4
+                        for i in range(4):
+                            r = (2 * half + mm) * 16 + g + (8 if i >= 2 else 0)
+                            col = n * 8 + 2 * t + (i & 1)
+                            slots.append((quad * 8 * nt + col) * ROWS + r)
+        assert sorted(slots) == list(range(WARPS * 8 * nt * ROWS))
