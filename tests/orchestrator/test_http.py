@@ -122,7 +122,15 @@ def test_metrics_in_prometheus_text_format(server):
 def test_websocket_streams_a_generation_and_its_events_in_order(server):
     ws = simple_websocket.Client.connect(server.base.replace("http", "ws") + "/ws")
     try:
-        assert json.loads(ws.receive(timeout=10))["type"] == "hello"
+        t0 = time.time()
+        hello = ws.receive(timeout=10)
+        # (one CI run got no frame here; say how long it waited, whether the socket was still open,
+        # and what the server logged last, so that a next time can be diagnosed)
+        assert hello is not None, (
+            f"no hello frame after {time.time() - t0:.1f} s (socket connected: {ws.connected}); "
+            f"server log tail: {''.join(server.stderr_lines[-20:])}"
+        )
+        assert json.loads(hello)["type"] == "hello"
         ws.send(
             json.dumps(
                 {
