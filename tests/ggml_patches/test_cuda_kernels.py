@@ -118,26 +118,51 @@ def test_the_split_argmax_compiles(patched, arch, tmp_path):
 
 @pytest.mark.parametrize("arch", ["90", "120"])
 def test_the_staged_gated_delta_net_compiles(patched, arch, tmp_path):
-    """Patch 0017 (MC_GDN_STAGE, default 1): the Gated DeltaNet recurrence for two or more tokens
-    stages chunks of 16 tokens in shared memory; every head size (16..128), scalar and vector gate,
-    with and without snapshots, has a staged instance beside the stock one; the scalar-gate instances
-    of 128-thread blocks stay within 40 registers (12 blocks an SM: the 27B's 48 heads x 32 blocks in
-    one wave on an H200), nothing spills, and the test-backend-ops cases for the 27B's shapes are in."""
+    """Patches 0017 / 0019 / 0020: the Gated DeltaNet recurrence for two or more tokens stages chunks of 16
+    tokens in shared memory (MC_GDN_STAGE), and with a scalar gate can take q and k before their L2
+    normalisation (MC_FUSE_GDN_L2); every head size (16..128), scalar and vector gate, with and
+    without snapshots, has a stock and a staged instance, the scalar gate each with and without the
+    normalisation; the scalar-gate instances of 128-thread blocks stay within 40 registers (12 blocks
+    an SM: the 27B's 48 heads x 32 blocks in one wave on an H200); the gates kernel (MC_FUSE_GDN_GATES)
+    is there; nothing spills; the test-backend-ops cases for the 27B's shapes are in."""
     out = compile_cuda(patched, "gated_delta_net.cu", arch, tmp_path, "-Xptxas", "-v")
     assert out.returncode == 0, out.stderr[-3000:]
-    name = r"function '_Z20gated_delta_net_cudaILi(\d+)ELb(\d)ELb(\d)ELi(\d+)E\w+'.*?Used (\d+) registers"
-    found = re.findall(name, out.stderr, re.S)
-    kinds = sorted((sv, kda, keep, ch) for sv, kda, keep, ch, _ in found)
+    name = r"function '_Z20gated_delta_net_cudaILi(\d+)ELb(\d)ELb(\d)ELi(\d+)ELb(\d)E\w+'.*?Used (\d+) "
+    found = re.findall(name + "registers", out.stderr, re.S)
+    kinds = sorted(f[:5] for f in found)
     sizes = ("16", "32", "64", "128")
-    want = sorted((sv, kda, keep, ch) for sv in sizes for kda in "01" for keep in "01" for ch in ("0", "16"))
-    assert kinds == want, kinds
+    want = [(sv, "0", keep, ch, l2) for sv in sizes for keep in "01" for ch in ("0", "16") for l2 in "01"]
+    want += [(sv, "1", keep, ch, "0") for sv in sizes for keep in "01" for ch in ("0", "16")]
+    assert kinds == sorted(want), kinds
     # (head size 16: 64-thread blocks, so 12 of them allow 85 registers)
-    assert all(int(r) <= 40 for sv, kda, _, _, r in found if kda == "0" and sv != "16"), found
+    assert all(int(f[5]) <= 40 for f in found if f[1] == "0" and f[0] != "16"), found
+    assert "Compiling entry function '_Z12mc_gdn_gates" in out.stderr
+    # patch 0020 (MC_GDN_STAGE=2): the column-group kernel, with and without snapshots and L2
+    cols = re.findall(r"Compiling entry function '_Z11mc_gdn_colsILb(\d)ELb(\d)E\w+'", out.stderr)
+    assert sorted(cols) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")], cols
     spills = re.findall(r"(\d+) bytes spill stores", out.stderr)
     assert spills and set(spills) == {"0"}, spills
     tests = (patched / "tests/test-backend-ops.cpp").read_text()
     assert "MegaCapybara (MC_GDN_STAGE)" in tests
     assert "test_gated_delta_net(GGML_TYPE_F32, 16, 128, 17, 2, 3)" in tests
+    assert "struct test_mc_gdn_layer : public test_case" in tests
+
+
+@pytest.mark.parametrize("arch", ["90", "120"])
+def test_the_fused_add_norm_compiles(patched, arch, tmp_path):
+    """Patch 0019 (MC_FUSE_ADD_NORM): a residual add, the next RMS norm and its weight in one kernel,
+    for 256- and 1,024-thread blocks, within the 64 registers a 1,024-thread block allows, no spills;
+    its test-backend-ops cases are in the tree."""
+    out = compile_cuda(patched, "norm.cu", arch, tmp_path, "-Xptxas", "-v")
+    assert out.returncode == 0, out.stderr[-3000:]
+    name = r"Compiling entry function '_Z23mc_add_rms_norm_mul_f32ILi(\d+)E\w+'.*?Used (\d+) registers"
+    fused = re.findall(name, out.stderr, re.S)
+    assert sorted(b for b, _ in fused) == ["1024", "256"], fused
+    assert all(int(r) <= 64 for _, r in fused), fused
+    spills = re.findall(r"(\d+) bytes spill stores", out.stderr)
+    assert spills and set(spills) == {"0"}, spills
+    tests = (patched / "tests/test-backend-ops.cpp").read_text()
+    assert "struct test_mc_add_rms_norm_mul : public test_case" in tests
 
 
 @pytest.mark.parametrize("arch", ["90", "120"])
@@ -160,8 +185,8 @@ def test_the_narrow_concat_compiles(patched, arch, tmp_path):
 
 def test_the_patched_ggml_cuda_compiles(patched, tmp_path):
     """ggml-cuda.cu with the series' hunks (the mc-mmv dispatch before mul_mat_q, the grouping's
-    reorder and launch, the next-weights hints) compiles for sm_90, ~20 s here; mmvq.cu's six-line
-    hook is left to the GPU build (90 s here)."""
+    reorder and launch, the next-weights hints, the small fusions) compiles for sm_90, ~20 s here;
+    mmvq.cu's six-line hook is left to the GPU build (90 s here)."""
     out = compile_cuda(patched, "ggml-cuda.cu", "90", tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     main = (patched / "ggml" / "src" / "ggml-cuda" / "ggml-cuda.cu").read_text()
@@ -190,6 +215,18 @@ def test_the_patched_ggml_cuda_compiles(patched, tmp_path):
     fuse = main.index("ggml_cuda_try_fuse(cuda_ctx, cgraph, i)")
     group = main.index("ggml_cuda_mc_mmv_group(*cuda_ctx, cgraph, i)", fuse)
     assert group < main.index("ggml_cuda_compute_forward(*cuda_ctx, node)", group)
+    # patch 0019: the ADD-started fusions open ggml_cuda_try_fuse (after GGML_CUDA_DISABLE_FUSION's check);
+    # MC_FUSE_GDN_L2 plans before the node loop, skips the normalisation nodes before any fusion, hands
+    # the plan to both recurrence paths and clears it at the end of the evaluation
+    try_fuse = main.index("static int ggml_cuda_try_fuse(")
+    disable = main.index("GGML_CUDA_DISABLE_FUSION", try_fuse)
+    add_fusions = main.index("mc_try_add_rms_norm(cuda_ctx, cgraph, i)", try_fuse)
+    assert disable < add_fusions < main.index("mc_try_gdn_gates(cuda_ctx, cgraph, i)", try_fuse)
+    l2_plan = main.index("mc_gdn_l2_plan_graph(cgraph, stream_ctx.concurrent_events.empty());")
+    assert plan < l2_plan < main.index("mc_gdn_l2_skip.count(node)", l2_plan) < fuse
+    assert main.index("mc_gdn_l2_plan.clear();", fuse) > fuse
+    assert "ggml_cuda_op_gated_delta_net(ctx, dst, mc_gdn_l2_for(dst));" in main
+    assert "fused_state_cpy, mc_gdn_l2_for(node));" in main
 
 
 def test_the_dispatch_reaches_the_kernel(patched):
