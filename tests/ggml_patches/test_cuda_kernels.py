@@ -87,18 +87,20 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
 @pytest.mark.parametrize("arch", ["90", "120"])
 def test_the_cached_rms_norm_compiles(patched, arch, tmp_path):
     """Patch 0009 (the cached rms_norm, the default; MC_NORM_PREFETCH=0 off): the multiply-only
-    rms_norm's cached form, for 256- and 1,024-thread blocks, compiles without spills and within the
-    64 registers a 1,024-thread block allows; its test-backend-ops cases are in the tree."""
+    rms_norm's cached form, and patch 0019's residual add + norm + weight in one kernel
+    (MC_FUSE_ADD_NORM), each for 256- and 1,024-thread blocks, compile without spills and within the
+    64 registers a 1,024-thread block allows; their test-backend-ops cases are in the tree."""
     out = compile_cuda(patched, "norm.cu", arch, tmp_path, "-Xptxas", "-v")
     assert out.returncode == 0, out.stderr[-3000:]
-    name = r"Compiling entry function '_Z12rms_norm_f32ILi(\d+)ELb1ELb0ELb0ELb1E\w+'.*?Used (\d+) registers"
-    cached = re.findall(name, out.stderr, re.S)
-    assert sorted(b for b, _ in cached) == ["1024", "256"], cached
-    assert all(int(r) <= 64 for _, r in cached), cached
+    for kernel in (r"_Z12rms_norm_f32ILi(\d+)ELb1ELb0ELb0ELb1E", r"_Z23mc_add_rms_norm_mul_f32ILi(\d+)E"):
+        found = re.findall(f"entry function '{kernel}\\w+'.*?Used (\\d+) registers", out.stderr, re.S)
+        assert sorted(b for b, _ in found) == ["1024", "256"], (kernel, found)
+        assert all(int(r) <= 64 for _, r in found), (kernel, found)
     spills = re.findall(r"(\d+) bytes spill stores", out.stderr)
     assert spills and set(spills) == {"0"}, spills
     tests = (patched / "tests/test-backend-ops.cpp").read_text()
     assert "MegaCapybara (the cached rms_norm, default; MC_NORM_PREFETCH=0 off)" in tests
+    assert "struct test_mc_add_rms_norm_mul : public test_case" in tests
 
 
 @pytest.mark.parametrize("arch", ["90", "120"])
@@ -146,23 +148,6 @@ def test_the_staged_gated_delta_net_compiles(patched, arch, tmp_path):
     assert "MegaCapybara (MC_GDN_STAGE)" in tests
     assert "test_gated_delta_net(GGML_TYPE_F32, 16, 128, 17, 2, 3)" in tests
     assert "struct test_mc_gdn_layer : public test_case" in tests
-
-
-@pytest.mark.parametrize("arch", ["90", "120"])
-def test_the_fused_add_norm_compiles(patched, arch, tmp_path):
-    """Patch 0019 (MC_FUSE_ADD_NORM): a residual add, the next RMS norm and its weight in one kernel,
-    for 256- and 1,024-thread blocks, within the 64 registers a 1,024-thread block allows, no spills;
-    its test-backend-ops cases are in the tree."""
-    out = compile_cuda(patched, "norm.cu", arch, tmp_path, "-Xptxas", "-v")
-    assert out.returncode == 0, out.stderr[-3000:]
-    name = r"Compiling entry function '_Z23mc_add_rms_norm_mul_f32ILi(\d+)E\w+'.*?Used (\d+) registers"
-    fused = re.findall(name, out.stderr, re.S)
-    assert sorted(b for b, _ in fused) == ["1024", "256"], fused
-    assert all(int(r) <= 64 for _, r in fused), fused
-    spills = re.findall(r"(\d+) bytes spill stores", out.stderr)
-    assert spills and set(spills) == {"0"}, spills
-    tests = (patched / "tests/test-backend-ops.cpp").read_text()
-    assert "struct test_mc_add_rms_norm_mul : public test_case" in tests
 
 
 @pytest.mark.parametrize("arch", ["90", "120"])
