@@ -37,7 +37,7 @@
 # MC_SBS_ENGINE (1: run the engine part), MC_SBS_ENGINE_REPACKED (engine_gpu.py arguments for a second
 # engine run with repacked_weights MC_SBS_ENGINE_REPACKED_MODE, default on: patch 0015's copies; the first
 # run has the engine's default, auto; e.g. "--tasks 12 --depths none --breakdown , --skip-sampled"),
-# MC_SBS_OPS (ops checked by test-backend-ops),
+# MC_SBS_OPS (ops checked by test-backend-ops; the default covers every patched op and fusion),
 # MC_SBS_VARIANTS (settings of the patched build to measure too, a comma list of NAME:VAR=VAL[+VAR=VAL]
 # with NAME starting with v, e.g. vnomma:MC_MMV_MMA_MIN_COLS=99; a bare number N means
 # vN:MC_MMV_VARIANT=N; e.g. vng:MC_MMV_GROUP=0 measures the patched build without the grouping),
@@ -62,7 +62,7 @@ MODEL=${MC_BENCH_MODEL:-$S/random-27b-$WEIGHTS.gguf}
 BUILDS=${MC_SBS_BUILDS:-stock,patched}
 PROFILE=${MC_SBS_PROFILE:-}
 MC_SBS_PROFILE_K=${MC_SBS_PROFILE_K:-1}
-OPS=${MC_SBS_OPS:-MUL_MAT,MUL_MAT_VEC_FUSION,MC_MUL_MAT_GROUP,GATED_DELTA_NET,SSM_CONV,RMS_NORM}
+OPS=${MC_SBS_OPS:-MUL_MAT,MUL_MAT_VEC_FUSION,MC_MUL_MAT_GROUP,GATED_DELTA_NET,GATED_DELTA_NET_CACHE_FUSION,MC_GDN_LAYER,SSM_CONV,RMS_NORM,RMS_NORM_MUL_ADD,MC_ADD_RMS_NORM_MUL,CONCAT}
 MEASURE=,${MC_SBS_MEASURE:-logits,tg,verify1,verify12,batched},  # which measurements per build
 ENGINE_ARGS=${MC_ENGINE_ARGS:---tasks 12}
 mkdir -p "$S" "$OUT"
