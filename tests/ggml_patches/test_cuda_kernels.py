@@ -69,6 +69,11 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     assert "mc_mmr_bal_q4_0" not in report and "mc_mmr_pair_q4_0" not in report
     assert ("1", "2", "1") not in forms
     assert "Compiling entry function '_Z13mc_mmr_repack" in report
+    # patch 0021 (MC_MMR_DECODE=1, off by default): one column on the copies, plain and with the gate,
+    # in registers for 5 / 3 blocks an SM at least
+    mmr1 = re.findall(r"entry function '_Z12mc_mmr1_q4_0ILb(\d)E\w+'.*?Used (\d+) registers", report, re.S)
+    assert sorted(gate for gate, _ in mmr1) == ["0", "1"], mmr1
+    assert all(int(r) <= (96 if gate == "0" else 168) for gate, r in mmr1), mmr1
     assert "Compiling entry function '_Z16mc_mmr_convert_y" in report
     # Q6_K at one column (the output matrix): one kernel, registers for its 6 blocks of 128 threads
     # per SM (65,536 / 768 = 85, allocated in steps of 8)
