@@ -42,7 +42,8 @@
 # with NAME starting with v, e.g. vnomma:MC_MMV_MMA_MIN_COLS=99; a bare number N means
 # vN:MC_MMV_VARIANT=N; e.g. vng:MC_MMV_GROUP=0 measures the patched build without the grouping),
 # MC_SBS_VARIANT_MEASURE (what to measure for each: logits,tg,verify1,ops (test-backend-ops of the
-# MC_SBS_OPS list, under the setting); also verify12, batched; MC_SBS_VARIANT_MEASURE_<name> for one),
+# MC_SBS_OPS list, or MC_SBS_VARIANT_OPS_<name>, under the setting); also verify12, batched;
+# MC_SBS_VARIANT_MEASURE_<name> for one),
 # MC_SBS_MEASURE (logits,tg,verify1,verify12,batched), MC_SBS_ENGINE_NEED (seconds the engine part
 # must have left to start, default 240), MC_ENGINE_ARGS (for bench/gpu/engine_gpu.py,
 # default --tasks 12), MC_SBS_WEIGHTS (q4_0 or q8_0 random model), MC_SBS_BACKEND (cpu: the same
@@ -259,7 +260,9 @@ for B in ${BUILDS//,/ }; do
       want verify12 "$vmeasure" && step "$B-$v-verify12" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 12 1,2,4
       want batched "$vmeasure" && step "$B-$v-batched" 150 "$S/$B/llama-batched-bench" -m "$MODEL" -c 16384 -b 2048 -ub 512 \
         -npp 512 -ntg 128 -npl 1,2,4,8,12,16 -ngl 99 -fa on --output-format jsonl
-      [ "$BACKEND" = cuda ] && want ops "$vmeasure" && for op in ${OPS//,/ }; do
+      vops=MC_SBS_VARIANT_OPS_$v  # one variant's own test-backend-ops list, e.g. MC_SBS_VARIANT_OPS_vg2=GATED_DELTA_NET
+      vops=${!vops:-$OPS}
+      [ "$BACKEND" = cuda ] && want ops "$vmeasure" && for op in ${vops//,/ }; do
         step "$B-$v-ops-$op" 120 "$S/$B/test-backend-ops" test -b CUDA0 -o "$op"
       done
       for kv in ${settings//+/ }; do unset "${kv%%=*}"; done
