@@ -5,10 +5,7 @@ copies into its shared-memory slots (addresses as mc_mmr_q4_0 computes them: wsr
 per-chunk offsets) or, MC_MMR_FORM=3, a warp's bulk copies of whole tiles and of its activations, the
 reads back at the kernel's offsets, the nibble expansion, the m16n8k16 fragment layouts (PTX ISA),
 the sums over warps and K slices. The result must equal a float64 product of the dequantized weights
-and the f16-rounded activations. MC_MMR_OFFSET (patch 0020, with the bulk copies): the weights enter
-the MMAs raw (1024 + q, 1024 + 16 q), the activations' high halves are stored divided by 16, and
-each block's first MMA starts at the f32 correction that mc_mmr_convert_y writes after the
-activations. This machine has no GPU: the GPU run compares the kernel itself
+and the f16-rounded activations. This machine has no GPU: the GPU run compares the kernel itself
 against the CPU backend (test-backend-ops with MC_MMH_REPACK=2)."""
 
 from __future__ import annotations
@@ -69,31 +66,17 @@ def repack(src: np.ndarray, rows: int, k: int) -> np.ndarray:
     return dst
 
 
-def convert_y(x: np.ndarray, ncp: int, offset: bool = False) -> np.ndarray:
-    """mc_mmr_convert_y: x is [ncols, k] f32; returns the f16 buffer as bytes. offset: the high
-    halves divided by 16, and after the halves one f32 correction per (block, column), summed in f32
-    over the 4 threads of a block and column as the kernel's two shuffles do."""
+def convert_y(x: np.ndarray, ncp: int) -> np.ndarray:
+    """mc_mmr_convert_y: x is [ncols, k] f32; returns the f16 buffer as bytes."""
     ncols, k = x.shape
     nblocks = k // 32
     y = np.zeros(nblocks * ncp * 4 * 8, np.float16)
-    part = np.zeros(nblocks * ncp * 4, np.float32)
-    hs = np.float32(0.0625 if offset else 1.0)
     for i in range(nblocks * ncp * 4):
         t, c, b = i % 4, i // 4 % ncp, i // (4 * ncp)
         if c < ncols:
             xb = x[c, b * 32 + 4 * t :]
-            lo, hi = [xb[0], xb[2], xb[1], xb[3]], [xb[16] * hs, xb[18] * hs, xb[17] * hs, xb[19] * hs]
-            h = np.array(lo + hi, np.float16)
-            y[i * 8 : i * 8 + 8] = h
-            f = h.astype(np.float32)
-            s_lo = (f[0] + f[1]) + (f[2] + f[3])
-            s_hi = (f[4] + f[5]) + (f[6] + f[7])
-            part[i] = -(np.float32(1032) * s_lo + np.float32(1152) * s_hi)
-    if not offset:
-        return y.view(np.uint8)
-    p = part.reshape(-1, 4)  # lane t: s += s(t ^ 1); s += s(t ^ 2): lane 0 ends with (p0 + p1) + (p2 + p3)
-    corr = ((p[:, 0] + p[:, 1]) + (p[:, 2] + p[:, 3])).astype(np.float32)
-    return np.concatenate([y.view(np.uint8), corr.view(np.uint8)])
+            y[i * 8 : i * 8 + 8] = [xb[0], xb[2], xb[1], xb[3], xb[16], xb[18], xb[17], xb[19]]
+    return y.view(np.uint8)
 
 
 def expand(word: int) -> tuple[list[float], list[float]]:
@@ -101,14 +84,6 @@ def expand(word: int) -> tuple[list[float], list[float]]:
     b = [(word >> (8 * i)) & 255 for i in range(4)]
     lo = [[(b[0] & 15) - 8, (b[2] & 15) - 8], [(b[1] & 15) - 8, (b[3] & 15) - 8]]
     hi = [[(b[0] >> 4) - 8, (b[2] >> 4) - 8], [(b[1] >> 4) - 8, (b[3] >> 4) - 8]]
-    return lo, hi
-
-
-def expand_raw(word: int) -> tuple[list[float], list[float]]:
-    """mc_mmh_expand_raw: the same pairs as raw f16 operands, 1024 + q (low) and 1024 + 16 q (high)."""
-    b = [(word >> (8 * i)) & 255 for i in range(4)]
-    lo = [[1024 + (b[0] & 15), 1024 + (b[2] & 15)], [1024 + (b[1] & 15), 1024 + (b[3] & 15)]]
-    hi = [[1024 + (b[0] & 0xF0), 1024 + (b[2] & 0xF0)], [1024 + (b[1] & 0xF0), 1024 + (b[3] & 0xF0)]]
     return lo, hi
 
 
@@ -132,31 +107,18 @@ def mma(a: list, b: list) -> list:
 
 
 def run_kernel(
-    copy: np.ndarray,
-    ybytes: np.ndarray,
-    rows: int,
-    k: int,
-    ncols: int,
-    nt: int,
-    ks: int,
-    bulk: bool = False,
-    offset: bool = False,
+    copy: np.ndarray, ybytes: np.ndarray, rows: int, k: int, ncols: int, nt: int, ks: int, bulk: bool = False
 ) -> np.ndarray:
     """mc_mmr_q4_0 with one product, grid (row tiles, ks K slices); returns dst [ncols, rows]. bulk:
     MC_MMR_FORM=3 (lane 0 copies each row tile and the warp's activations as spans), else every
-    thread copies its own 16-byte pieces into its own slots. offset: MC_MMR_OFFSET (bulk only),
-    the corrections copied as one more span after the stage's items."""
-    assert bulk or not offset
+    thread copies its own 16-byte pieces into its own slots."""
     ncp = 8 * nt
     nquads = k // 128
     nchunks_all = nquads // 4
     per = (nchunks_all + ks - 1) // ks
     mt_stride = nquads * TILE
     y_chunk = 16 * ncp * 64
-    cr_at = (9 + 4 * nt) * 512  # MC_MMR_ITEMS(NT) * 512
-    cr_bytes = 4 * ncp * 4  # MC_MMR_CORR_BYTES(NT)
-    warp_stage = cr_at + cr_bytes  # MC_MMR_WARP_STAGE(NT)
-    corr_base = k // 32 * ncp * 64  # the corrections after the halves (bytes)
+    warp_stage = (9 + 4 * nt) * 512
     partial = np.zeros((ks, ncols, rows))
     for tile in range((rows + ROWS - 1) // ROWS):
         row0 = tile * ROWS
@@ -177,9 +139,6 @@ def run_kernel(
                             st[m * TILE : (m + 1) * TILE] = copy[w + m * mt_stride : w + m * mt_stride + TILE]
                         yc = ysrc0 + c * y_chunk
                         st[4 * TILE : 4 * TILE + 4 * nt * 512] = ybytes[yc : yc + 4 * nt * 512]
-                        if offset:  # crwarp + c * CR_CHUNK
-                            cc = corr_base + (4 * c_begin + warp) * 4 * ncp * 4 + c * 16 * ncp * 4
-                            st[cr_at : cr_at + cr_bytes] = ybytes[cc : cc + cr_bytes]
                     else:
                         for lane in range(32):
                             mine = lane * 16
@@ -214,8 +173,8 @@ def run_kernel(
                             sc = st[sc_at + m * sc_m :][:16].view(np.float16).astype(np.float64)
                             # d[j] = (row g, row g + 8): sc.x = (g: j0, j1), .y = (g: j2, j3), .z / .w: g + 8
                             for j in range(4):
-                                lo0, hi0 = (expand_raw if offset else expand)(int(w0[j]))
-                                lo1, hi1 = (expand_raw if offset else expand)(int(w1[j]))
+                                lo0, hi0 = expand(int(w0[j]))
+                                lo1, hi1 = expand(int(w1[j]))
                                 a_lo[j].append([lo0[0], lo1[0], lo0[1], lo1[1]])
                                 a_hi[j].append([hi0[0], hi1[0], hi0[1], hi1[1]])
                                 dd[j].append((sc[j], sc[4 + j]))
@@ -226,13 +185,9 @@ def run_kernel(
                                       for lane in range(32)]  # fmt: skip
                                 cs_lo = mma(a_lo[j], [[(b[0], b[1]), (b[2], b[3])] for b in bf])
                                 cs_hi = mma(a_hi[j], [[(b[4], b[5]), (b[6], b[7])] for b in bf])
-                                crs = st[cr_at:warp_stage].view(np.float32).astype(np.float64)
                                 for lane in range(32):
                                     d0, d1 = dd[j][lane]
                                     cs = np.add(cs_lo[lane], cs_hi[lane])
-                                    if offset:  # the first MMA's start: columns 8 n + 2 t, 8 n + 2 t + 1
-                                        c0 = crs[j * ncp + 8 * n + 2 * (lane % 4) :][:2]
-                                        cs = cs + np.array([c0[0], c0[1], c0[0], c0[1]])
                                     acc[warp, m, n, lane] += [d0 * cs[0], d0 * cs[1], d1 * cs[2], d1 * cs[3]]
             # mc_mmq_reduce_warps: row m * 16 + g (+ 8), column n * 8 + 2 t + (i & 1)
             for m in range(nmt):
@@ -260,41 +215,6 @@ def test_the_repacked_kernel_computes_the_product(rows, k, ncols, ks, bulk):
     got = run_kernel(repack(w, rows, k), convert_y(x, 8 * nt), rows, k, ncols, nt, ks, bulk)
     want = x.astype(np.float16).astype(np.float64) @ dequant(w, rows, k).T
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
-
-
-def offset_activations(x: np.ndarray) -> np.ndarray:
-    """The activations as MC_MMR_OFFSET's MMAs see them: elements 0..15 of each block f16-rounded,
-    16..31 as 16 x f16(y / 16) (the same but below f16's normal range)."""
-    y = x.astype(np.float16).astype(np.float64)
-    hi = (x.reshape(x.shape[0], -1, 32)[:, :, 16:] * np.float32(0.0625)).astype(np.float16)
-    y.reshape(x.shape[0], -1, 32)[:, :, 16:] = hi.astype(np.float64) * 16
-    return y
-
-
-@pytest.mark.parametrize(
-    ("rows", "k", "ncols", "ks"),
-    [(80, 1024, 12, 1), (48, 1024, 6, 2), (64, 512, 16, 1), (16, 512, 1, 1)],
-)
-def test_the_offset_form_computes_the_product(rows, k, ncols, ks):
-    """MC_MMR_OFFSET: raw operands, each block's first MMA started at its f32 correction. Against the
-    float64 product the only error left is the corrections' f32 rounding (~1e-7 of ~1,000 x a
-    block's activation sums): a few 1e-6 of the result at most."""
-    rng = np.random.default_rng(rows + k + ncols + 1)
-    w = q4_0_rows(rng, rows, k)
-    x = rng.standard_normal((ncols, k)).astype(np.float32)
-    x[:, ::97] *= 1e-4  # some activations below f16's normal range once divided by 16
-    nt = 1 if ncols <= 8 else 2
-    yb = convert_y(x, 8 * nt, offset=True)
-    assert yb.size == k // 32 * 8 * nt * (64 + 4)
-    got = run_kernel(repack(w, rows, k), yb, rows, k, ncols, nt, ks, bulk=True, offset=True)
-    want = offset_activations(x) @ dequant(w, rows, k).T
-    scale = np.abs(x.astype(np.float64)) @ np.abs(dequant(w, rows, k)).T  # the sums' magnitude
-    assert np.all(np.abs(got - want) <= 2e-6 * scale), np.max(np.abs(got - want) / scale)
-    # and without the corrections the sums are off by ~1,000 x the activations' block sums
-    bad = run_kernel(repack(w, rows, k), np.concatenate([yb[: yb.size - k // 32 * 8 * nt * 4],
-                                                         np.zeros(k // 32 * 8 * nt * 4, np.uint8)]),
-                     rows, k, ncols, nt, ks, bulk=True, offset=True)  # fmt: skip
-    assert np.max(np.abs(bad - want) / scale) > 1.0
 
 
 def test_the_repack_moves_every_byte_once():
