@@ -72,6 +72,9 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     assert ("1", "2", "1") not in forms
     assert "Compiling entry function '_Z13mc_mmr_repack" in report
     assert "Compiling entry function '_Z16mc_mmr_convert_yPKfP6__halfilii" in report
+    # patch 0020: MC_MMQ_KSLICES_MAX, a cap on the K slices of the tensor-core launches (16: none)
+    source = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
+    assert 'mc_env_int("MC_MMQ_KSLICES_MAX", 1, 16, 16)' in source
     # Q6_K at one column (the output matrix): one kernel, registers for its 6 blocks of 128 threads
     # per SM (65,536 / 768 = 85, allocated in steps of 8)
     q6k = re.findall(r"Compiling entry function '_Z11mc_mmv_q6_K\w+'.*?Used (\d+) registers", report, re.S)
