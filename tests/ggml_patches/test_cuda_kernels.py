@@ -42,6 +42,13 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     kernels = re.findall(r"Compiling entry function '(_Z\d+mc_mmv_q4_0\w+)'", report)
     # the dp4a kernel: 1..16 columns and the fused gate for one column
     assert len(kernels) == 17, kernels
+    # one and two columns and the fused gate: at most 80 registers, so that 6 blocks of 128 threads fit
+    # an SM (65,536 / 768 = 85, allocated in steps of 8); patch 0021's MC_MMV_PRE must not cost one
+    name = r"Compiling entry function '_Z\d+mc_mmv_q4_0ILi(\d+)ELb(\d)E\w+'.*?Used (\d+) registers"
+    small = [(nc, gate, int(r)) for nc, gate, r in re.findall(name, report, re.S) if nc in ("1", "2")]
+    assert len(small) == 3 and all(r <= 80 for *_, r in small), small
+    source = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
+    assert 'mc_env_int("MC_MMV_PRE", 0, 1, 0)' in source
     # the int8 tensor-core kernel: one and two tiles of 8 columns, rows split over warps
     # (MC_MMQ_VARIANT=rows, stages of 8 blocks) or K split over warps (wk, stages of 16 blocks)
     mma = re.findall(r"Compiling entry function '(_Z\d+mc_mmq_q4_0\w+)'", report)
