@@ -79,7 +79,6 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     # forms or converter arguments of their own
     for dropped in ("mc_mmr_bal_q4_0", "mc_mmr_pair_q4_0", "mc_mmr1_q4_0"):
         assert dropped not in report, dropped
-    source = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
     for setting in ("MC_MMR_SPLIT_ACC", "MC_MMR_FOLD", "MC_MMQ_KSLICES_MAX"):
         assert setting not in source, setting
     assert not any(f[:3] == ("1", "2", "1") for f in forms)
