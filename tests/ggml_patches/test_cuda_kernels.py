@@ -43,12 +43,12 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     # the dp4a kernel: 1..16 columns and the fused gate for one column
     assert len(kernels) == 17, kernels
     # one and two columns and the fused gate: at most 80 registers, so that 6 blocks of 128 threads fit
-    # an SM (65,536 / 768 = 85, allocated in steps of 8); patch 0021's MC_MMV_PRE must not cost one
+    # an SM (65,536 / 768 = 85, allocated in steps of 8); patch 0020's MC_MMV_PRE (on) must not cost one
     name = r"Compiling entry function '_Z\d+mc_mmv_q4_0ILi(\d+)ELb(\d)E\w+'.*?Used (\d+) registers"
     small = [(nc, gate, int(r)) for nc, gate, r in re.findall(name, report, re.S) if nc in ("1", "2")]
     assert len(small) == 3 and all(r <= 80 for *_, r in small), small
     source = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
-    assert 'mc_env_int("MC_MMV_PRE", 0, 1, 0)' in source
+    assert 'mc_env_int("MC_MMV_PRE", 0, 1, 1)' in source
     # the int8 tensor-core kernel: one and two tiles of 8 columns, rows split over warps
     # (MC_MMQ_VARIANT=rows, stages of 8 blocks) or K split over warps (wk, stages of 16 blocks)
     mma = re.findall(r"Compiling entry function '(_Z\d+mc_mmq_q4_0\w+)'", report)
@@ -63,25 +63,24 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     forms = [("4", "3", "0"), ("4", "4", "1")]
     assert sorted(mmh) == sorted((nt, *f) for nt in ("1", "2") for f in forms), mmh
     assert report.count("Compiling entry function '_Z16mc_mmh_convert_y") == 1
-    # MC_MMH_REPACK (patch 0015): the repacked form, (columns / 8, stages, bulk copies, activations in
-    # registers): one and two tiles with 3 stages and 2 blocks per SM (registers: 65,536 / 256 = 256 a
-    # thread), two tiles with 2 stages (GPUs with ~100 KB of shared memory a block), each with
-    # per-thread copies or (MC_MMR_FORM=3) the warp's bulk copies on mbarriers; patch 0020's
-    # MC_MMR_YREG (two tiles, bulk, 4 or 6 stages of weights only); the repack and the converter
-    name = r"'_Z11mc_mmr_q4_0ILi(\d)ELi(\d)ELb(\d)ELb(\d)EE\w+'.*?Used (\d+) registers"
-    mmr = re.findall("Compiling entry function " + name, report, re.S)
-    forms = sorted((nt, st, bulk, yreg) for nt, st, bulk, yreg, _ in mmr)
-    want = [(nt, st, b, "0") for nt, st in (("1", "3"), ("2", "2"), ("2", "3")) for b in "01"]
-    assert forms == sorted([*want, ("2", "4", "1", "1"), ("2", "6", "1", "1")]), mmr
+    # MC_MMH_REPACK (patch 0015): the repacked form, (columns / 8, stages, bulk copies): one and two
+    # tiles with 3 stages and 2 blocks per SM (registers: 65,536 / 256 = 256 a thread), two tiles with 2
+    # stages (GPUs with ~100 KB of shared memory a block), each with per-thread copies or (MC_MMR_FORM=3)
+    # the warp's bulk copies on mbarriers; the repack and the activation converter
+    name = r"Compiling entry function '_Z11mc_mmr_q4_0ILi(\d)ELi(\d)ELb(\d)EE\w+'.*?Used (\d+) registers"
+    mmr = re.findall(name, report, re.S)
+    forms = sorted((nt, st, bulk) for nt, st, bulk, _ in mmr)
+    assert forms == sorted((nt, st, b) for nt, st in (("1", "3"), ("2", "2"), ("2", "3")) for b in "01"), mmr
     assert all(int(r) <= 255 for *_, r in mmr), mmr
     # MC_MMR_BALANCE, MC_MMR_STAGES=2, MC_MMR_PAIRS=1, MC_MMR_DECODE=1, MC_MMR_OFFSET, MC_MMR_TAIL,
-    # MC_MMR_SPLIT_ACC and MC_MMR_FOLD (measured slower or no faster, dropped): no kernels, template
-    # forms or converter arguments of their own
+    # MC_MMR_SPLIT_ACC, MC_MMR_FOLD and MC_MMR_YREG (measured slower or no faster, dropped): no kernels,
+    # template forms or converter arguments of their own
     for dropped in ("mc_mmr_bal_q4_0", "mc_mmr_pair_q4_0", "mc_mmr1_q4_0"):
         assert dropped not in report, dropped
-    for setting in ("MC_MMR_SPLIT_ACC", "MC_MMR_FOLD", "MC_MMQ_KSLICES_MAX"):
+    assert not re.search(r"_Z11mc_mmr_q4_0ILi\dELi\dELb\dELb", report)
+    for setting in ("MC_MMR_SPLIT_ACC", "MC_MMR_FOLD", "MC_MMQ_KSLICES_MAX", "MC_MMR_YREG"):
         assert setting not in source, setting
-    assert not any(f[:3] == ("1", "2", "1") for f in forms)
+    assert ("1", "2", "1") not in forms
     assert "Compiling entry function '_Z13mc_mmr_repack" in report
     assert "Compiling entry function '_Z16mc_mmr_convert_yPKfP6__halfilii" in report
     # Q6_K at one column (the output matrix): one kernel, registers for its 6 blocks of 128 threads

@@ -107,27 +107,18 @@ def mma(a: list, b: list) -> list:
 
 
 def run_kernel(
-    copy: np.ndarray,
-    ybytes: np.ndarray,
-    rows: int,
-    k: int,
-    ncols: int,
-    nt: int,
-    ks: int,
-    bulk: bool = False,
-    yreg: bool = False,
+    copy: np.ndarray, ybytes: np.ndarray, rows: int, k: int, ncols: int, nt: int, ks: int, bulk: bool = False
 ) -> np.ndarray:
     """mc_mmr_q4_0 with one product, grid (row tiles, ks K slices); returns dst [ncols, rows]. bulk:
     MC_MMR_FORM=3 (lane 0 copies each row tile and the warp's activations as spans), else every
-    thread copies its own 16-byte pieces into its own slots. yreg (MC_MMR_YREG, bulk only): the stage
-    holds the row tiles only; each lane loads its B fragments from global memory (load_y)."""
+    thread copies its own 16-byte pieces into its own slots."""
     ncp = 8 * nt
     nquads = k // 128
     nchunks_all = nquads // 4
     per = (nchunks_all + ks - 1) // ks
     mt_stride = nquads * TILE
     y_chunk = 16 * ncp * 64
-    warp_stage = 4 * TILE if yreg else (9 + 4 * nt) * 512
+    warp_stage = (9 + 4 * nt) * 512
     partial = np.zeros((ks, ncols, rows))
     for tile in range((rows + ROWS - 1) // ROWS):
         row0 = tile * ROWS
@@ -146,9 +137,8 @@ def run_kernel(
                         w = wsrc0 + c * 4 * TILE
                         for m in range(nmt):
                             st[m * TILE : (m + 1) * TILE] = copy[w + m * mt_stride : w + m * mt_stride + TILE]
-                        if not yreg:
-                            yc = ysrc0 + c * y_chunk
-                            st[4 * TILE : 4 * TILE + 4 * nt * 512] = ybytes[yc : yc + 4 * nt * 512]
+                        yc = ysrc0 + c * y_chunk
+                        st[4 * TILE : 4 * TILE + 4 * nt * 512] = ybytes[yc : yc + 4 * nt * 512]
                     else:
                         for lane in range(32):
                             mine = lane * 16
@@ -193,10 +183,6 @@ def run_kernel(
                                 at = y_at + (j * nt + n) * 512
                                 bf = [st[at + lane * 16 :][:16].view(np.float16).astype(np.float64)
                                       for lane in range(32)]  # fmt: skip
-                                if yreg:  # ysrc + c * Y_CHUNK + (j * NT + n) * 512, ysrc with its lane * 16
-                                    at = ysrc0 + c * y_chunk + (j * nt + n) * 512
-                                    bf = [ybytes[at + lane * 16 :][:16].view(np.float16).astype(np.float64)
-                                          for lane in range(32)]  # fmt: skip
                                 cs_lo = mma(a_lo[j], [[(b[0], b[1]), (b[2], b[3])] for b in bf])
                                 cs_hi = mma(a_hi[j], [[(b[4], b[5]), (b[6], b[7])] for b in bf])
                                 for lane in range(32):
@@ -227,19 +213,6 @@ def test_the_repacked_kernel_computes_the_product(rows, k, ncols, ks, bulk):
     x = rng.standard_normal((ncols, k)).astype(np.float32)
     nt = 1 if ncols <= 8 else 2
     got = run_kernel(repack(w, rows, k), convert_y(x, 8 * nt), rows, k, ncols, nt, ks, bulk)
-    want = x.astype(np.float16).astype(np.float64) @ dequant(w, rows, k).T
-    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
-
-
-@pytest.mark.parametrize(
-    ("rows", "k", "ncols", "ks"), [(80, 1024, 12, 1), (64, 512, 16, 1), (48, 1024, 16, 2)]
-)
-def test_the_activations_in_registers_form_computes_the_product(rows, k, ncols, ks):
-    """MC_MMR_YREG (16 columns, bulk form): the B fragments from global memory, weights-only stages."""
-    rng = np.random.default_rng(rows * 3 + k + ncols)
-    w = q4_0_rows(rng, rows, k)
-    x = rng.standard_normal((ncols, k)).astype(np.float32)
-    got = run_kernel(repack(w, rows, k), convert_y(x, 16), rows, k, ncols, 2, ks, bulk=True, yreg=True)
     want = x.astype(np.float16).astype(np.float64) @ dequant(w, rows, k).T
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
 
