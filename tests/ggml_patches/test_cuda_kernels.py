@@ -81,6 +81,12 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     for setting in ("MC_MMR_SPLIT_ACC", "MC_MMR_FOLD", "MC_MMQ_KSLICES_MAX", "MC_MMR_YREG"):
         assert setting not in source, setting
     assert ("1", "2", "1") not in forms
+    # MC_MMR_RS (patch 0021, an experiment): rows split over warps, one shared activation piece a
+    # stage, 4 or 5 stages at 2 blocks an SM (registers: at most 255 a thread)
+    name = r"Compiling entry function '_Z14mc_mmr_rs_q4_0ILi(\d)EE\w+'.*?Used (\d+) registers"
+    rs = re.findall(name, report, re.S)
+    assert sorted(st for st, _ in rs) == ["4", "5"] and all(int(r) <= 255 for _, r in rs), rs
+    assert 'mc_env_int("MC_MMR_RS", 0, 5, 0)' in source
     assert "Compiling entry function '_Z13mc_mmr_repack" in report
     assert "Compiling entry function '_Z16mc_mmr_convert_yPKfP6__halfilii" in report
     # Q6_K at one column (the output matrix): one kernel, registers for its 6 blocks of 128 threads

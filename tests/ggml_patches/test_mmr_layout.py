@@ -106,6 +106,40 @@ def mma(a: list, b: list) -> list:
     return out
 
 
+def chunk(
+    st: np.ndarray, yst: np.ndarray, nmt: int, nt: int, q_at: int, sc0: int, sc_m: int, acc: np.ndarray
+):
+    """mc_mmr_chunk_y: a warp's chunk from its stage st (row tile m's quants at m * q_at, its scales
+    at sc0 + g * 16 + m * sc_m) and the activations yst (piece j * nt + n at 512 bytes each) into
+    acc [m][n][lane][i]."""
+    for m in range(nmt):
+        a_lo: dict[int, list] = {j: [] for j in range(4)}
+        a_hi: dict[int, list] = {j: [] for j in range(4)}
+        dd: dict[int, list] = {j: [] for j in range(4)}
+        for lane in range(32):
+            g = lane // 4
+            w0 = st[m * q_at + lane * 16 :][:16].view(np.uint32)
+            w1 = st[m * q_at + 512 + lane * 16 :][:16].view(np.uint32)
+            sc = st[sc0 + g * 16 + m * sc_m :][:16].view(np.float16).astype(np.float64)
+            # d[j] = (row g, row g + 8): sc.x = (g: j0, j1), .y = (g: j2, j3), .z / .w: g + 8
+            for j in range(4):
+                lo0, hi0 = expand(int(w0[j]))
+                lo1, hi1 = expand(int(w1[j]))
+                a_lo[j].append([lo0[0], lo1[0], lo0[1], lo1[1]])
+                a_hi[j].append([hi0[0], hi1[0], hi0[1], hi1[1]])
+                dd[j].append((sc[j], sc[4 + j]))
+        for j in range(4):
+            for n in range(nt):
+                at = (j * nt + n) * 512
+                bf = [yst[at + lane * 16 :][:16].view(np.float16).astype(np.float64) for lane in range(32)]
+                cs_lo = mma(a_lo[j], [[(b[0], b[1]), (b[2], b[3])] for b in bf])
+                cs_hi = mma(a_hi[j], [[(b[4], b[5]), (b[6], b[7])] for b in bf])
+                for lane in range(32):
+                    d0, d1 = dd[j][lane]
+                    cs = np.add(cs_lo[lane], cs_hi[lane])
+                    acc[m, n, lane] += [d0 * cs[0], d0 * cs[1], d1 * cs[2], d1 * cs[3]]
+
+
 def run_kernel(
     copy: np.ndarray, ybytes: np.ndarray, rows: int, k: int, ncols: int, nt: int, ks: int, bulk: bool = False
 ) -> np.ndarray:
@@ -161,34 +195,8 @@ def run_kernel(
                                     st[mine + (9 + j * nt + n) * 512 :][:16] = ybytes[a0 : a0 + 16]
                     # the reads, at the kernel's offsets (Q_AT, SC_AT, SC_M, Y_AT), and the arithmetic
                     q_at, sc_m, y_at = (TILE, TILE, 4 * TILE) if bulk else (1024, 128, 9 * 512)
-                    for m in range(nmt):
-                        a_lo: dict[int, list] = {j: [] for j in range(4)}
-                        a_hi: dict[int, list] = {j: [] for j in range(4)}
-                        dd: dict[int, list] = {j: [] for j in range(4)}
-                        for lane in range(32):
-                            g = lane // 4
-                            sc_at = (1024 if bulk else 8 * 512) + g * 16
-                            w0 = st[m * q_at + lane * 16 :][:16].view(np.uint32)
-                            w1 = st[m * q_at + 512 + lane * 16 :][:16].view(np.uint32)
-                            sc = st[sc_at + m * sc_m :][:16].view(np.float16).astype(np.float64)
-                            # d[j] = (row g, row g + 8): sc.x = (g: j0, j1), .y = (g: j2, j3), .z / .w: g + 8
-                            for j in range(4):
-                                lo0, hi0 = expand(int(w0[j]))
-                                lo1, hi1 = expand(int(w1[j]))
-                                a_lo[j].append([lo0[0], lo1[0], lo0[1], lo1[1]])
-                                a_hi[j].append([hi0[0], hi1[0], hi0[1], hi1[1]])
-                                dd[j].append((sc[j], sc[4 + j]))
-                        for j in range(4):
-                            for n in range(nt):
-                                at = y_at + (j * nt + n) * 512
-                                bf = [st[at + lane * 16 :][:16].view(np.float16).astype(np.float64)
-                                      for lane in range(32)]  # fmt: skip
-                                cs_lo = mma(a_lo[j], [[(b[0], b[1]), (b[2], b[3])] for b in bf])
-                                cs_hi = mma(a_hi[j], [[(b[4], b[5]), (b[6], b[7])] for b in bf])
-                                for lane in range(32):
-                                    d0, d1 = dd[j][lane]
-                                    cs = np.add(cs_lo[lane], cs_hi[lane])
-                                    acc[warp, m, n, lane] += [d0 * cs[0], d0 * cs[1], d1 * cs[2], d1 * cs[3]]
+                    sc0 = 1024 if bulk else 8 * 512
+                    chunk(st, st[y_at:], nmt, nt, q_at, sc0, sc_m, acc[warp])
             # mc_mmq_reduce_warps: row m * 16 + g (+ 8), column n * 8 + 2 t + (i & 1)
             for m in range(nmt):
                 for n in range(nt):
@@ -200,6 +208,82 @@ def run_kernel(
                             if col < ncols and r < nr:
                                 partial[slice_, col, row0 + r] += acc[:, m, n, lane, i].sum()
     return partial.sum(axis=0)
+
+
+def run_kernel_rs(
+    copy: np.ndarray, ybytes: np.ndarray, rows: int, k: int, ncols: int, ks: int, y_warp: bool = False
+):
+    """mc_mmr_rs_q4_0 (MC_MMR_RS, 16 columns): blocks of 256 rows, warp w on row tiles 4 w .. 4 w + 3,
+    one K quad a chunk; thread 0 copies the block's row tiles to t * 1,152 of the stage and the quad's
+    activations after them; each warp writes its own rows. y_warp: a wrong form (the activations
+    read at warp * 4,096 past the shared piece, as if each warp had its own) that must fail."""
+    nt, rs_rows, wbytes, ybytes_q = 2, 4 * ROWS, 4 * TILE, 4 * 2 * 512
+    nquads = k // 128
+    per = (nquads + ks - 1) // ks
+    mt_stride = nquads * TILE
+    stage = WARPS * wbytes + ybytes_q
+    flat = np.full(ks * ncols * rows, np.nan)  # the partials (every element is written)
+    flat4 = flat.reshape(-1, 4)
+    out = np.zeros((ncols, rows))
+    for tile in range((rows + rs_rows - 1) // rs_rows):
+        row0 = tile * rs_rows
+        nr = min(rs_rows, rows - row0)
+        ntiles = nr // 16
+        for slice_ in range(ks):
+            c_begin = slice_ * per
+            nchunks = min(nquads, c_begin + per) - c_begin
+            w0 = (row0 // 16) * mt_stride + c_begin * TILE
+            y0 = c_begin * ybytes_q
+            acc = np.zeros((WARPS, WARPS, nt, 32, 4))  # [warp][m][n][lane][i]
+            for c in range(nchunks):
+                st = np.zeros(stage + WARPS * ybytes_q, np.uint8)
+                w = w0 + c * TILE
+                for t in range(ntiles):
+                    st[t * TILE : (t + 1) * TILE] = copy[w + t * mt_stride : w + t * mt_stride + TILE]
+                yc = y0 + c * ybytes_q
+                st[WARPS * wbytes : stage] = ybytes[yc : yc + ybytes_q]
+                for warp in range(WARPS):
+                    nmt = min(4, max(0, ntiles - 4 * warp))
+                    yat = WARPS * wbytes + (warp * ybytes_q if y_warp else 0)
+                    chunk(st[warp * wbytes :], st[yat:], nmt, nt, TILE, 1024, TILE, acc[warp])
+            for warp in range(WARPS):
+                for m in range(min(4, max(0, ntiles - 4 * warp))):
+                    for n in range(nt):
+                        for lane in range(32):
+                            g, t = lane // 4, lane % 4
+                            for i in range(4):
+                                r = 64 * warp + 16 * m + g + (8 if i >= 2 else 0)
+                                col = n * 8 + 2 * t + (i & 1)
+                                if col < ncols:  # mc_mmq_emit's place in the partials
+                                    flat[slice_ * ncols * rows + col * rows + row0 + r] = acc[
+                                        warp, m, n, lane, i
+                                    ]
+        # mc_mmr_rs_finish: four rows a load, p = col * nrows + row0 + r, slice s at s * ncols * nrows / 4
+        for i in range(ncols * (nr // 4)):
+            col, r4 = divmod(i, nr // 4)
+            p4 = (col * rows + row0 + 4 * r4) // 4
+            x = np.zeros(4)
+            for s in range(ks):
+                x += flat4[p4 + s * (ncols * rows // 4)]
+            out[col, row0 + 4 * r4 : row0 + 4 * r4 + 4] = x
+    return out
+
+
+@pytest.mark.parametrize(
+    ("rows", "k", "ncols", "ks"), [(80, 512, 16, 1), (272, 1024, 12, 3), (256, 512, 9, 2)]
+)
+def test_the_rows_split_form_computes_the_product(rows, k, ncols, ks):
+    """MC_MMR_RS: the warps of a block share one activation piece a chunk and split the rows; a block
+    with fewer than 16 row tiles (80 rows: warps 2 and 3 idle), two blocks (272 rows) and K slices."""
+    rng = np.random.default_rng(rows * 3 + k + ncols)
+    w = q4_0_rows(rng, rows, k)
+    x = rng.standard_normal((ncols, k)).astype(np.float32)
+    want = x.astype(np.float16).astype(np.float64) @ dequant(w, rows, k).T
+    got = run_kernel_rs(repack(w, rows, k), convert_y(x, 16), rows, k, ncols, ks)
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
+    if rows > 64:  # a second warp has rows: reading a per-warp activation piece gives another product
+        bad = run_kernel_rs(repack(w, rows, k), convert_y(x, 16), rows, k, ncols, ks, y_warp=True)
+        assert not np.allclose(bad, want, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("bulk", [False, True])
