@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Repeated draws of mc_gpu_bench on a warm machine, settings alternating, so that a change within the
+draws' spread is seen as such. Each round runs every setting (in a rotated order, so no setting
+always runs first) and every measure; the figures are the program's medians.
+
+usage (on the GPU machine, after bench/gpu/side_by_side.sh has built the patched programs):
+
+  python3 bench/gpu/warm_repeats.py --bench /tmp/mcs/patched/mc_gpu_bench \\
+      --model /tmp/mcs/random-27b-q4_0.gguf --rounds 3 \\
+      --setting copies=MC_MMH_REPACK=3 --setting rs5=MC_MMH_REPACK=3,MC_MMR_RS=5 \\
+      --measure verify:512:1:1,16 --measure verify:512:12:1 --measure tg:0,4096:64 --json $OUT/warm.json
+
+A setting is NAME=VAR=VALUE[,VAR=VALUE...] (NAME= alone: the defaults). A measure is
+verify:DEPTH:SEQS:K[,K...] (ms of one decode of K tokens for each of SEQS sequences) or
+tg:DEPTH[,DEPTH...]:N (tokens/s of single-stream decode). Writes JSON (every draw, mean / min / max,
+and each setting's mean against the first setting's) and prints a table."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def parse_setting(text: str) -> tuple[str, dict[str, str]]:
+    name, sep, rest = text.partition("=")
+    if not sep or not name:
+        raise SystemExit(f"--setting {text!r}: expected NAME=VAR=VALUE[,VAR=VALUE...] or NAME=")
+    env: dict[str, str] = {}
+    for item in filter(None, rest.split(",")):
+        var, sep, value = item.partition("=")
+        if not sep or not var:
+            raise SystemExit(f"--setting {text!r}: {item!r} is not VAR=VALUE")
+        env[var] = value
+    return name, env
+
+
+def parse_measure(text: str) -> list[str]:
+    """The mc_gpu_bench arguments after the model, e.g. ['verify', '512', '1', '1,16']."""
+    parts = text.split(":")
+    ints = lambda s: all(p.strip().isdigit() for p in s.split(","))  # noqa: E731
+    if parts[0] == "verify" and len(parts) == 4 and all(ints(p) for p in parts[1:]):
+        return ["verify", parts[1], parts[2], parts[3]]
+    if parts[0] == "tg" and len(parts) == 3 and all(ints(p) for p in parts[1:]):
+        return ["tg", parts[1], parts[2]]
+    raise SystemExit(f"--measure {text!r}: expected verify:DEPTH:SEQS:K[,K...] or tg:DEPTH[,DEPTH...]:N")
+
+
+def figure_key(row: dict) -> tuple[str, float] | None:
+    """One mc_gpu_bench JSON line as (name, value), or None for other lines."""
+    if row.get("kind") == "verify":
+        return f"verify_d{row['depth']}_s{row['seqs']}_k{row['k']}_ms", float(row["median_ms"])
+    if row.get("kind") == "tg":
+        return f"tg_d{row['depth']}_tok_s", float(row["tok_s"])
+    return None
+
+
+def run_one(bench: Path, model: Path, args: list[str], env: dict[str, str]) -> dict[str, float]:
+    full = dict(os.environ)
+    full["LD_LIBRARY_PATH"] = str(bench.parent) + (
+        ":" + full["LD_LIBRARY_PATH"] if full.get("LD_LIBRARY_PATH") else ""
+    )
+    full.update(env)
+    cmd = [str(bench), args[0], str(model), *args[1:]]
+    res = subprocess.run(cmd, env=full, capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} (env {env}) exit {res.returncode}: {res.stderr[-2000:]}")
+    out: dict[str, float] = {}
+    for line in res.stdout.splitlines():
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        kv = figure_key(json.loads(line))
+        if kv:
+            out[kv[0]] = kv[1]
+    if not out:
+        raise SystemExit(f"{' '.join(cmd)}: no figures in its output")
+    return out
+
+
+def summarize(draws: dict[str, dict[str, list[float]]], first: str) -> dict:
+    summary: dict[str, dict] = {}
+    for name, figs in draws.items():
+        summary[name] = {}
+        for key, vals in figs.items():
+            mean = sum(vals) / len(vals)
+            entry = {"mean": round(mean, 4), "min": min(vals), "max": max(vals), "n": len(vals)}
+            base = draws[first].get(key)
+            if name != first and base:
+                entry["vs_first"] = round(mean / (sum(base) / len(base)), 4)
+            summary[name][key] = entry
+    return summary
+
+
+def print_table(summary: dict, names: list[str]) -> None:
+    keys = sorted({k for n in names for k in summary[n]})
+    print(f"{'figure':<28}" + "".join(f"{n:>22}" for n in names))
+    for key in keys:
+        cells = []
+        for n in names:
+            e = summary[n].get(key)
+            if e is None:
+                cells.append(f"{'-':>22}")
+                continue
+            rel = f" ({100 * (e['vs_first'] - 1):+.1f}%)" if "vs_first" in e else ""
+            cells.append(f"{e['mean']:.2f} [{e['min']:.2f}-{e['max']:.2f}]{rel}".rjust(22))
+        print(f"{key:<28}" + "".join(cells))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bench", type=Path, required=True, help="mc_gpu_bench (its folder holds its libraries)")
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--setting", action="append", required=True, help="NAME=VAR=VALUE[,VAR=VALUE...]")
+    ap.add_argument("--measure", action="append", required=True, help="verify:DEPTH:SEQS:KS or tg:DEPTHS:N")
+    ap.add_argument("--json", type=Path, required=True)
+    a = ap.parse_args()
+    if a.rounds < 1:
+        raise SystemExit("--rounds: at least 1")
+    settings = [parse_setting(s) for s in a.setting]
+    names = [n for n, _ in settings]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"--setting: names must differ, got {names}")
+    measures = [parse_measure(m) for m in a.measure]
+    draws: dict[str, dict[str, list[float]]] = {n: {} for n in names}
+    order_log = []
+    for r in range(a.rounds):
+        order = settings[r % len(settings) :] + settings[: r % len(settings)]
+        order_log.append([n for n, _ in order])
+        for name, env in order:
+            for m in measures:
+                for key, value in run_one(a.bench, a.model, m, env).items():
+                    draws[name].setdefault(key, []).append(value)
+        print(f"round {r + 1}/{a.rounds} done", file=sys.stderr, flush=True)
+    summary = summarize(draws, names[0])
+    result = {
+        "kind": "warm_repeats",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "bench": str(a.bench),
+        "model": str(a.model),
+        "settings": {n: env for n, env in settings},
+        "rounds": a.rounds,
+        "order": order_log,
+        "draws": draws,
+        "summary": summary,
+    }
+    tmp = a.json.with_name(a.json.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(a.json)
+    print_table(summary, names)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""bench/gpu/warm_repeats.py: rounds of a bench program under alternating settings. A stand-in for
+mc_gpu_bench (a script printing its JSON lines, its figures depending on the environment) checks
+the draws, the rotation of the order, the summary against the first setting, and the clear errors
+for bad arguments; the real program runs on the GPU machine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu" / "warm_repeats.py"
+
+FAKE = """#!{python}
+import json, os, sys
+log = os.environ["FAKE_LOG"]
+with open(log, "a") as f:
+    f.write(os.environ.get("MC_X", "-") + " " + " ".join(sys.argv[1:]) + "\\n")
+scale = float(os.environ.get("MC_X", "1"))
+print("loading...")
+if sys.argv[1] == "verify":
+    for k in sys.argv[5].split(","):
+        ms = scale * (6.5 + 0.35 * int(k))
+        row = {{"kind": "verify", "depth": int(sys.argv[3]), "seqs": int(sys.argv[4]), "k": int(k)}}
+        print(json.dumps({{**row, "median_ms": ms}}))
+elif sys.argv[1] == "tg":
+    for d in sys.argv[3].split(","):
+        row = {{"kind": "tg", "depth": int(d), "n": int(sys.argv[4]), "median_ms": 6.5}}
+        print(json.dumps({{**row, "tok_s": 150.0 / scale}}))
+else:
+    sys.exit(2)
+"""
+
+
+def fake_bench(tmp_path: Path) -> Path:
+    bench = tmp_path / "mc_gpu_bench"
+    bench.write_text(FAKE.format(python=sys.executable))
+    bench.chmod(0o755)
+    return bench
+
+
+def run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {"FAKE_LOG": str(tmp_path / "log"), "PATH": "/usr/bin:/bin"}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env)
+
+
+def test_rounds_alternate_the_settings_and_summarize_against_the_first(tmp_path):
+    bench = fake_bench(tmp_path)
+    out = tmp_path / "warm.json"
+    res = run(
+        tmp_path,
+        *("--bench", str(bench), "--model", "m.gguf", "--rounds", "3", "--json", str(out)),
+        *("--setting", "base=", "--setting", "slow=MC_X=1.1"),
+        *("--measure", "verify:512:1:1,16", "--measure", "tg:0,4096:64"),
+    )
+    assert res.returncode == 0, res.stderr
+    data = json.loads(out.read_text())
+    assert data["settings"] == {"base": {}, "slow": {"MC_X": "1.1"}}
+    assert data["order"] == [["base", "slow"], ["slow", "base"], ["base", "slow"]]
+    assert data["draws"]["base"]["verify_d512_s1_k16_ms"] == [12.1] * 3
+    assert len(data["draws"]["slow"]["tg_d4096_tok_s"]) == 3
+    s = data["summary"]
+    assert abs(s["slow"]["verify_d512_s1_k1_ms"]["vs_first"] - 1.1) < 1e-3
+    assert abs(s["slow"]["tg_d0_tok_s"]["vs_first"] - 1 / 1.1) < 1e-3
+    assert "vs_first" not in s["base"]["tg_d0_tok_s"]
+    # every call: the setting's environment, the measure's arguments after the model
+    calls = (tmp_path / "log").read_text().splitlines()
+    assert len(calls) == 12
+    assert calls[0] == "- verify m.gguf 512 1 1,16" and calls[2] == "1.1 verify m.gguf 512 1 1,16"
+    assert "verify_d512_s1_k16_ms" in res.stdout and "+10.0%" in res.stdout
+
+
+def test_bad_arguments_name_the_field(tmp_path):
+    bench = fake_bench(tmp_path)
+    base = ("--bench", str(bench), "--model", "m", "--json", str(tmp_path / "o.json"))
+    res = run(tmp_path, *base, "--setting", "a=", "--measure", "verify:512:x:1")
+    assert res.returncode != 0 and "--measure 'verify:512:x:1'" in res.stderr
+    res = run(tmp_path, *base, "--setting", "a=MC_X", "--measure", "tg:0:64")
+    assert res.returncode != 0 and "'MC_X' is not VAR=VALUE" in res.stderr
+    res = run(tmp_path, *base, "--setting", "a=", "--setting", "a=MC_X=2", "--measure", "tg:0:64")
+    assert res.returncode != 0 and "names must differ" in res.stderr
+    assert not (tmp_path / "o.json").exists()
+
+
+def test_a_failing_program_stops_with_its_error(tmp_path):
+    bench = fake_bench(tmp_path)
+    bench.write_text("#!/bin/sh\necho broken >&2\nexit 3\n")
+    res = run(tmp_path, "--bench", str(bench), "--model", "m", "--json", str(tmp_path / "o.json"),
+              "--setting", "a=", "--measure", "tg:0:64")  # fmt: skip
+    assert res.returncode != 0 and "exit 3" in res.stderr and "broken" in res.stderr
+    assert not (tmp_path / "o.json").exists()
