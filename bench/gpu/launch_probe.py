@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--json", required=True)
     ap.add_argument("--repeats", type=int, default=10)
     a = ap.parse_args()
+    if a.repeats < 1:
+        raise SystemExit(f"--repeats: at least 1, got {a.repeats}")
 
     import torch
     import triton

@@ -140,6 +140,22 @@ def chunk(
                     acc[m, n, lane] += [d0 * cs[0], d0 * cs[1], d1 * cs[2], d1 * cs[3]]
 
 
+def blocks(rows: int, tile_rows: int, nunits: int, ks: int):
+    """The grid (row tiles of tile_rows, ks K slices of nunits chunks) as the launcher cuts it:
+    (row0, nr, slice, c_begin, nchunks) for each block."""
+    per = (nunits + ks - 1) // ks
+    for row0 in range(0, rows, tile_rows):
+        for slice_ in range(ks):
+            c_begin = slice_ * per
+            yield row0, min(tile_rows, rows - row0), slice_, c_begin, min(nunits, c_begin + per) - c_begin
+
+
+def c_place(lane: int, i: int) -> tuple[int, int]:
+    """Where C fragment element i of a lane lies in its 16 x 8 tile: (row, column)."""
+    g, t = lane // 4, lane % 4
+    return g + (8 if i >= 2 else 0), 2 * t + (i & 1)
+
+
 def run_kernel(
     copy: np.ndarray, ybytes: np.ndarray, rows: int, k: int, ncols: int, nt: int, ks: int, bulk: bool = False
 ) -> np.ndarray:
@@ -148,65 +164,57 @@ def run_kernel(
     thread copies its own 16-byte pieces into its own slots."""
     ncp = 8 * nt
     nquads = k // 128
-    nchunks_all = nquads // 4
-    per = (nchunks_all + ks - 1) // ks
     mt_stride = nquads * TILE
     y_chunk = 16 * ncp * 64
     warp_stage = (9 + 4 * nt) * 512
     partial = np.zeros((ks, ncols, rows))
-    for tile in range((rows + ROWS - 1) // ROWS):
-        row0 = tile * ROWS
-        nr = min(ROWS, rows - row0)
+    for row0, nr, slice_, c_begin, nchunks in blocks(rows, ROWS, nquads // 4, ks):
         nmt = nr // 16
-        for slice_ in range(ks):
-            c_begin = slice_ * per
-            nchunks = min(nchunks_all, c_begin + per) - c_begin
-            acc = np.zeros((WARPS, WARPS, nt, 32, 4))  # [warp][m][n][lane][i]
-            for c in range(nchunks):
-                for warp in range(WARPS):
-                    st = np.zeros(warp_stage, np.uint8)  # this warp's stage
-                    wsrc0 = (row0 // 16) * mt_stride + (4 * c_begin + warp) * TILE  # + lane * 16
-                    ysrc0 = (4 * c_begin + warp) * 4 * ncp * 64
-                    if bulk:
-                        w = wsrc0 + c * 4 * TILE
-                        for m in range(nmt):
-                            st[m * TILE : (m + 1) * TILE] = copy[w + m * mt_stride : w + m * mt_stride + TILE]
-                        yc = ysrc0 + c * y_chunk
-                        st[4 * TILE : 4 * TILE + 4 * nt * 512] = ybytes[yc : yc + 4 * nt * 512]
-                    else:
-                        for lane in range(32):
-                            mine = lane * 16
-                            wsrc = wsrc0 + lane * 16
-                            sm = lane // 8
-                            ssrc = wsrc - lane * 16 + sm * mt_stride + 1024 + (lane % 8) * 16
-                            ysrc = ysrc0 + lane * 16
-                            w = wsrc + c * 4 * TILE
-                            for m in range(4):
-                                if m < nmt:
-                                    for h in range(2):
-                                        a0 = w + m * mt_stride + 512 * h
-                                        st[mine + (2 * m + h) * 512 :][:16] = copy[a0 : a0 + 16]
-                            if sm < nmt:
-                                a0 = ssrc + c * 4 * TILE
-                                st[mine + 8 * 512 :][:16] = copy[a0 : a0 + 16]
-                            for j in range(4):
-                                for n in range(nt):
-                                    a0 = ysrc + c * y_chunk + j * ncp * 64 + n * 512
-                                    st[mine + (9 + j * nt + n) * 512 :][:16] = ybytes[a0 : a0 + 16]
-                    # the reads, at the kernel's offsets (Q_AT, SC_AT, SC_M, Y_AT), and the arithmetic
-                    q_at, sc_m, y_at = (TILE, TILE, 4 * TILE) if bulk else (1024, 128, 9 * 512)
-                    sc0 = 1024 if bulk else 8 * 512
-                    chunk(st, st[y_at:], nmt, nt, q_at, sc0, sc_m, acc[warp])
-            # mc_mmq_reduce_warps: row m * 16 + g (+ 8), column n * 8 + 2 t + (i & 1)
-            for m in range(nmt):
-                for n in range(nt):
+        acc = np.zeros((WARPS, WARPS, nt, 32, 4))  # [warp][m][n][lane][i]
+        for c in range(nchunks):
+            for warp in range(WARPS):
+                st = np.zeros(warp_stage, np.uint8)  # this warp's stage
+                wsrc0 = (row0 // 16) * mt_stride + (4 * c_begin + warp) * TILE  # + lane * 16
+                ysrc0 = (4 * c_begin + warp) * 4 * ncp * 64
+                if bulk:
+                    w = wsrc0 + c * 4 * TILE
+                    for m in range(nmt):
+                        st[m * TILE : (m + 1) * TILE] = copy[w + m * mt_stride : w + m * mt_stride + TILE]
+                    yc = ysrc0 + c * y_chunk
+                    st[4 * TILE : 4 * TILE + 4 * nt * 512] = ybytes[yc : yc + 4 * nt * 512]
+                else:
                     for lane in range(32):
-                        g, t = lane // 4, lane % 4
-                        for i in range(4):
-                            r = m * 16 + g + (8 if i >= 2 else 0)
-                            col = n * 8 + 2 * t + (i & 1)
-                            if col < ncols and r < nr:
-                                partial[slice_, col, row0 + r] += acc[:, m, n, lane, i].sum()
+                        mine = lane * 16
+                        wsrc = wsrc0 + lane * 16
+                        sm = lane // 8
+                        ssrc = wsrc - lane * 16 + sm * mt_stride + 1024 + (lane % 8) * 16
+                        ysrc = ysrc0 + lane * 16
+                        w = wsrc + c * 4 * TILE
+                        for m in range(4):
+                            if m < nmt:
+                                for h in range(2):
+                                    a0 = w + m * mt_stride + 512 * h
+                                    st[mine + (2 * m + h) * 512 :][:16] = copy[a0 : a0 + 16]
+                        if sm < nmt:
+                            a0 = ssrc + c * 4 * TILE
+                            st[mine + 8 * 512 :][:16] = copy[a0 : a0 + 16]
+                        for j in range(4):
+                            for n in range(nt):
+                                a0 = ysrc + c * y_chunk + j * ncp * 64 + n * 512
+                                st[mine + (9 + j * nt + n) * 512 :][:16] = ybytes[a0 : a0 + 16]
+                # the reads, at the kernel's offsets (Q_AT, SC_AT, SC_M, Y_AT), and the arithmetic
+                q_at, sc_m, y_at = (TILE, TILE, 4 * TILE) if bulk else (1024, 128, 9 * 512)
+                sc0 = 1024 if bulk else 8 * 512
+                chunk(st, st[y_at:], nmt, nt, q_at, sc0, sc_m, acc[warp])
+        # mc_mmq_reduce_warps: row m * 16 + g (+ 8), column n * 8 + 2 t + (i & 1)
+        for m in range(nmt):
+            for n in range(nt):
+                for lane in range(32):
+                    for i in range(4):
+                        r, col = c_place(lane, i)
+                        r, col = m * 16 + r, n * 8 + col
+                        if col < ncols and r < nr:
+                            partial[slice_, col, row0 + r] += acc[:, m, n, lane, i].sum()
     return partial.sum(axis=0)
 
 
@@ -219,46 +227,40 @@ def run_kernel_rs(
     read at warp * 4,096 past the shared piece, as if each warp had its own) that must fail."""
     nt, rs_rows, wbytes, ybytes_q = 2, 4 * ROWS, 4 * TILE, 4 * 2 * 512
     nquads = k // 128
-    per = (nquads + ks - 1) // ks
     mt_stride = nquads * TILE
     stage = WARPS * wbytes + ybytes_q
     flat = np.full(ks * ncols * rows, np.nan)  # the partials (every element is written)
     flat4 = flat.reshape(-1, 4)
     out = np.zeros((ncols, rows))
-    for tile in range((rows + rs_rows - 1) // rs_rows):
-        row0 = tile * rs_rows
-        nr = min(rs_rows, rows - row0)
+    for row0, nr, slice_, c_begin, nchunks in blocks(rows, rs_rows, nquads, ks):
         ntiles = nr // 16
-        for slice_ in range(ks):
-            c_begin = slice_ * per
-            nchunks = min(nquads, c_begin + per) - c_begin
-            w0 = (row0 // 16) * mt_stride + c_begin * TILE
-            y0 = c_begin * ybytes_q
-            acc = np.zeros((WARPS, WARPS, nt, 32, 4))  # [warp][m][n][lane][i]
-            for c in range(nchunks):
-                st = np.zeros(stage + WARPS * ybytes_q, np.uint8)
-                w = w0 + c * TILE
-                for t in range(ntiles):
-                    st[t * TILE : (t + 1) * TILE] = copy[w + t * mt_stride : w + t * mt_stride + TILE]
-                yc = y0 + c * ybytes_q
-                st[WARPS * wbytes : stage] = ybytes[yc : yc + ybytes_q]
-                for warp in range(WARPS):
-                    nmt = min(4, max(0, ntiles - 4 * warp))
-                    yat = WARPS * wbytes + (warp * ybytes_q if y_warp else 0)
-                    chunk(st[warp * wbytes :], st[yat:], nmt, nt, TILE, 1024, TILE, acc[warp])
+        w0 = (row0 // 16) * mt_stride + c_begin * TILE
+        y0 = c_begin * ybytes_q
+        acc = np.zeros((WARPS, WARPS, nt, 32, 4))  # [warp][m][n][lane][i]
+        for c in range(nchunks):
+            st = np.zeros(stage + WARPS * ybytes_q, np.uint8)
+            w = w0 + c * TILE
+            for t in range(ntiles):
+                st[t * TILE : (t + 1) * TILE] = copy[w + t * mt_stride : w + t * mt_stride + TILE]
+            yc = y0 + c * ybytes_q
+            st[WARPS * wbytes : stage] = ybytes[yc : yc + ybytes_q]
             for warp in range(WARPS):
-                for m in range(min(4, max(0, ntiles - 4 * warp))):
-                    for n in range(nt):
-                        for lane in range(32):
-                            g, t = lane // 4, lane % 4
-                            for i in range(4):
-                                r = 64 * warp + 16 * m + g + (8 if i >= 2 else 0)
-                                col = n * 8 + 2 * t + (i & 1)
-                                if col < ncols:  # mc_mmq_emit's place in the partials
-                                    flat[slice_ * ncols * rows + col * rows + row0 + r] = acc[
-                                        warp, m, n, lane, i
-                                    ]
-        # mc_mmr_rs_finish: four rows a load, p = col * nrows + row0 + r, slice s at s * ncols * nrows / 4
+                nmt = min(4, max(0, ntiles - 4 * warp))
+                yat = WARPS * wbytes + (warp * ybytes_q if y_warp else 0)
+                chunk(st[warp * wbytes :], st[yat:], nmt, nt, TILE, 1024, TILE, acc[warp])
+        for warp in range(WARPS):
+            for m in range(min(4, max(0, ntiles - 4 * warp))):
+                for n in range(nt):
+                    for lane in range(32):
+                        for i in range(4):
+                            r, col = c_place(lane, i)
+                            r, col = 64 * warp + 16 * m + r, n * 8 + col
+                            if col < ncols:  # mc_mmq_emit's place in the partials
+                                flat[slice_ * ncols * rows + col * rows + row0 + r] = acc[warp, m, n, lane, i]
+    # mc_mmr_rs_finish (each tile's last block), four rows a load: p = col * nrows + row0 + r, slice s
+    # at s * ncols * nrows / 4
+    for row0 in range(0, rows, rs_rows):
+        nr = min(rs_rows, rows - row0)
         for i in range(ncols * (nr // 4)):
             col, r4 = divmod(i, nr // 4)
             p4 = (col * rows + row0 + 4 * r4) // 4
