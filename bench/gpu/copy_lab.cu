@@ -274,6 +274,38 @@ struct config {
     launch_fn    fn;
 };
 
+// us a launch of launch(i) over repeats launches on st, after 3 untimed ones (i: which region)
+template <typename F> static double time_us(F launch, int repeats, cudaStream_t st, cudaEvent_t e0, cudaEvent_t e1) {
+    for (int i = 0; i < 3; ++i) {
+        launch(i);
+    }
+    CHECK(cudaEventRecord(e0, st));
+    for (int i = 0; i < repeats; ++i) {
+        launch(i + 3);
+    }
+    CHECK(cudaEventRecord(e1, st));
+    CHECK(cudaEventSynchronize(e1));
+    CHECK(cudaGetLastError());
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    return 1000.0 * ms / repeats;
+}
+
+// launch i's weights: a region of the arena of its own (4 KB aligned), so no launch finds the last
+// one's bytes in L2
+static char * region(char * arena, size_t arena_bytes, size_t bytes, int i) {
+    const int n = (int) (arena_bytes / bytes) - 1;
+    return arena + ((size_t) (i % n) * bytes + 4095) / 4096 * 4096;
+}
+
+static void print_row(const char * name, int stages, bool y, int bps, const shape & sh, double us) {
+    const size_t bytes = (size_t) sh.rows * sh.k / 32 * 18;
+    printf("{\"structure\": \"%s\", \"stages\": %d, \"y\": %s, \"blocks_per_sm\": %d, \"rows\": %d, \"k\": %d, "
+           "\"us\": %.3f, \"tb_s\": %.4f}\n",
+           name, stages, y ? "true" : "false", bps, sh.rows, sh.k, us, bytes / us / 1e6);
+    fflush(stdout);
+}
+
 int main(int argc, char ** argv) {
     const int repeats = argc > 1 ? atoi(argv[1]) : 0;
     std::vector<shape> shapes;
@@ -346,53 +378,23 @@ int main(int argc, char ** argv) {
             }
             CHECK(cudaFuncSetAttribute(cf.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
             for (const shape & sh : shapes) {
-                const size_t bytes = (size_t) sh.rows * sh.k / 32 * 18;
-                const int    nofs  = (int) (arena / bytes) - 1;
-                job          j     = { w, y, sh.k / 128, sh.rows / 64, 0, sink };
-                auto         at    = [&](int i) {
-                    j.w = w + ((size_t) (i % nofs) * bytes + 4095) / 4096 * 4096;
-                    return j;
+                const size_t bytes  = (size_t) sh.rows * sh.k / 32 * 18;
+                const job    j      = { w, y, sh.k / 128, sh.rows / 64, 0, sink };
+                auto         launch = [&](int i) {
+                    job ji = j;
+                    ji.w   = region(w, arena, bytes, i);
+                    cf.fn(ji, nsm, bps, smem, st);
                 };
-                for (int i = 0; i < 3; ++i) {
-                    cf.fn(at(i), nsm, bps, smem, st);
-                }
-                CHECK(cudaEventRecord(e0, st));
-                for (int i = 0; i < repeats; ++i) {
-                    cf.fn(at(i + 3), nsm, bps, smem, st);
-                }
-                CHECK(cudaEventRecord(e1, st));
-                CHECK(cudaEventSynchronize(e1));
-                CHECK(cudaGetLastError());
-                float ms = 0;
-                CHECK(cudaEventElapsedTime(&ms, e0, e1));
-                const double us = 1000.0 * ms / repeats;
-                printf("{\"structure\": \"%s\", \"stages\": %d, \"y\": %s, \"blocks_per_sm\": %d, \"rows\": %d, "
-                       "\"k\": %d, \"us\": %.3f, \"tb_s\": %.4f}\n",
-                       cf.name, cf.stages, cf.y ? "true" : "false", bps, sh.rows, sh.k, us, bytes / us / 1e6);
-                fflush(stdout);
+                print_row(cf.name, cf.stages, cf.y, bps, sh, time_us(launch, repeats, st, e0, e1));
             }
         }
     }
     for (const shape & sh : shapes) {  // the streaming reference
-        const size_t bytes = (size_t) sh.rows * sh.k / 32 * 18;
-        const int    nofs  = (int) (arena / bytes) - 1;
-        auto         ptr   = [&](int i) { return (const uint4 *) (w + ((size_t) (i % nofs) * bytes + 4095) / 4096 * 4096); };
-        for (int i = 0; i < 3; ++i) {
-            k_ldg<<<nsm * 8, 256, 0, st>>>(ptr(i), (int64_t) (bytes / 16), sink);
-        }
-        CHECK(cudaEventRecord(e0, st));
-        for (int i = 0; i < repeats; ++i) {
-            k_ldg<<<nsm * 8, 256, 0, st>>>(ptr(i + 3), (int64_t) (bytes / 16), sink);
-        }
-        CHECK(cudaEventRecord(e1, st));
-        CHECK(cudaEventSynchronize(e1));
-        CHECK(cudaGetLastError());
-        float ms = 0;
-        CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        const double us = 1000.0 * ms / repeats;
-        printf("{\"structure\": \"ldg\", \"stages\": 0, \"y\": false, \"blocks_per_sm\": 8, \"rows\": %d, \"k\": %d, "
-               "\"us\": %.3f, \"tb_s\": %.4f}\n",
-               sh.rows, sh.k, us, bytes / us / 1e6);
+        const size_t bytes  = (size_t) sh.rows * sh.k / 32 * 18;
+        auto         launch = [&](int i) {
+            k_ldg<<<nsm * 8, 256, 0, st>>>((const uint4 *) region(w, arena, bytes, i), (int64_t) (bytes / 16), sink);
+        };
+        print_row("ldg", 0, false, 8, sh, time_us(launch, repeats, st, e0, e1));
     }
     return 0;
 }

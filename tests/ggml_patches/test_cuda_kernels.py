@@ -66,16 +66,11 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     # MC_MMH_REPACK (patch 0015): the repacked form, (columns / 8, stages, bulk copies): one and two
     # tiles with 3 stages and 2 blocks per SM (registers: 65,536 / 256 = 256 a thread), two tiles with 2
     # stages (GPUs with ~100 KB of shared memory a block), each with per-thread copies or (MC_MMR_FORM=3)
-    # the warp's bulk copies on mbarriers; the repack and the activation converter. Last template
-    # argument: MC_MMR_PROBE (patch 0021, a timing diagnostic, off by default): 0 the kernel, 1..4 the
-    # two-tile bulk form with parts of its work left out
-    name = r"entry function '_Z11mc_mmr_q4_0ILi(\d)ELi(\d)ELb(\d)ELi(\d)EE\w+'.*?Used (\d+) registers"
+    # the warp's bulk copies on mbarriers; the repack and the activation converter
+    name = r"Compiling entry function '_Z11mc_mmr_q4_0ILi(\d)ELi(\d)ELb(\d)EE\w+'.*?Used (\d+) registers"
     mmr = re.findall(name, report, re.S)
-    forms = sorted((nt, st, bulk) for nt, st, bulk, probe, _ in mmr if probe == "0")
+    forms = sorted((nt, st, bulk) for nt, st, bulk, _ in mmr)
     assert forms == sorted((nt, st, b) for nt, st in (("1", "3"), ("2", "2"), ("2", "3")) for b in "01"), mmr
-    probes = sorted((nt, st, bulk, probe) for nt, st, bulk, probe, _ in mmr if probe != "0")
-    assert probes == [("2", "3", "1", p) for p in "1234"], mmr
-    assert 'mc_env_int("MC_MMR_PROBE", 0, 4, 0)' in source
     assert all(int(r) <= 255 for *_, r in mmr), mmr
     # MC_MMR_BALANCE, MC_MMR_STAGES=2, MC_MMR_PAIRS=1, MC_MMR_DECODE=1, MC_MMR_OFFSET, MC_MMR_TAIL,
     # MC_MMR_SPLIT_ACC, MC_MMR_FOLD, MC_MMR_YREG and MC_MMR_RS (measured slower or no faster, dropped):
@@ -85,6 +80,9 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     assert not re.search(r"_Z11mc_mmr_q4_0ILi\dELi\dELb\dELb", report)
     for setting in ("MC_MMR_SPLIT_ACC", "MC_MMR_FOLD", "MC_MMQ_KSLICES_MAX", "MC_MMR_YREG", "MC_MMR_RS"):
         assert setting not in source, setting
+    # MC_MMR_PROBE (runs Z / Z2: the kernel with parts of its work left out, wrong results): a
+    # diagnostic, removed after its measurements (commit 7fe531f has it)
+    assert "MC_MMR_PROBE" not in source
     assert ("1", "2", "1") not in forms
     assert "Compiling entry function '_Z13mc_mmr_repack" in report
     assert "Compiling entry function '_Z16mc_mmr_convert_yPKfP6__halfilii" in report
