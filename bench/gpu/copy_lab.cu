@@ -12,10 +12,19 @@
 //            one of 16 KB of activations); 4 consumer warps release each stage; same grid as warp
 //   persist: block's structure on a grid of resident blocks only, each taking an even, contiguous range
 //            of (row tile, chunk) units across tile boundaries, its copies never draining between tiles
+//   cluster: block's structure with the activations shared: a cluster of CL blocks on adjacent row
+//            tiles (the same K slice); rank 0's producer copies each chunk's 16 KB of activations once,
+//            multicast into every block of the cluster, once every block has released that stage
 //   ldg:     plain 16-byte loads into registers (the streaming reference)
-// Output: one JSON object a line: structure, stages, y, blocks_per_sm, shape, us a launch, TB/s of
-// weights. Needs sm_90 or newer (bulk copies). Usage: copy_lab REPEATS ROWS:K [ROWS:K ...]
+// With math (the second set of rows): the consumers also run the kernel's arithmetic on each stage
+// (mc_mmr_chunk's: Q4_0 nibbles to exact f16 q - 8, two mma.sync m16n8k16 per block and column tile,
+// an FFMA per sum with the block scale; 16 columns), so that a structure is judged where the copies
+// compete with the arithmetic for the SM, as in the kernel. The sums are not checked (the weights are
+// random bytes); only the time is measured.
+// Output: one JSON object a line: structure, stages, y, math, cluster, blocks_per_sm, shape, us a
+// launch, TB/s of weights. Needs sm_90 or newer (bulk copies; sm_90a for the multicast). Usage: copy_lab REPEATS ROWS:K [ROWS:K ...]
 // (bench/gpu/copy_lab.py passes the 27B's product shapes and sums a step)
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -51,14 +60,29 @@ static __device__ __forceinline__ void bar_arrive(uint64_t * b) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(saddr(b)) : "memory");
 }
 
-static __device__ __forceinline__ void bar_wait(uint64_t * b, uint32_t parity) {
-    uint32_t done = 0;
+// waits for the phase of the given parity; CLUSTER: acquire at cluster scope (arrivals from peer
+// blocks). A phase that never completes (a bug) traps after ~2^32 cycles instead of hanging the lab
+template <bool CLUSTER = false> static __device__ __forceinline__ void bar_wait(uint64_t * b, uint32_t parity) {
+    const long long t0   = clock64();
+    uint32_t        done = 0;
     while (!done) {
-        asm volatile(
-            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-            : "=r"(done)
-            : "r"(saddr(b)), "r"(parity)
-            : "memory");
+        if (CLUSTER) {
+            asm volatile(
+                "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; "
+                "selp.u32 %0, 1, 0, p; }"
+                : "=r"(done)
+                : "r"(saddr(b)), "r"(parity)
+                : "memory");
+        } else {
+            asm volatile(
+                "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                : "=r"(done)
+                : "r"(saddr(b)), "r"(parity)
+                : "memory");
+        }
+        if (!done && clock64() - t0 > (1ll << 32)) {
+            __trap();
+        }
     }
 }
 
@@ -67,6 +91,136 @@ static __device__ __forceinline__ void bulk(void * dst, const void * src, uint32
                      saddr(dst)),
                  "l"(src), "r"(bytes), "r"(saddr(b))
                  : "memory");
+}
+
+// multicast: the same bytes into the same offset of every block of the cluster in mask, each block's
+// own mbarrier at bar's offset told of them
+static __device__ __forceinline__ void bulk_mc(void * dst, const void * src, uint32_t bytes, uint64_t * b,
+                                               uint16_t mask) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, "
+        "[%3], %4;" ::"r"(saddr(dst)),
+        "l"(src), "r"(bytes), "r"(saddr(b)), "h"(mask)
+        : "memory");
+}
+
+// one arrival on the mbarrier at b's offset in block rank of the cluster
+static __device__ __forceinline__ void bar_arrive_remote(uint64_t * b, uint32_t rank) {
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(saddr(b)), "r"(rank));
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+
+static __device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+static __device__ __forceinline__ uint32_t cluster_rank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+// the kernel's arithmetic (mc_mmr_chunk, 16 columns): 4 row tiles at t + m * mstride (quants, then
+// scales at + 1024), the activations' 4 x 2 pieces of 512 bytes at yst
+static __device__ __forceinline__ uint32_t nibbles(uint32_t x, uint32_t mask) {
+    uint32_t r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "r"(mask), "r"(0x64006400u));
+    return r;
+}
+
+static __device__ __forceinline__ void expand(uint32_t x, uint32_t (&lo)[2], uint32_t (&hi)[2]) {
+    const half2    c1032 = __half2half2(__ushort_as_half(0x6408));
+    const half2    s16   = __half2half2(__ushort_as_half(0x2C00));
+    const half2    m72   = __half2half2(__ushort_as_half(0xD480));
+    const uint32_t x8    = x >> 8;
+    const uint32_t l0 = nibbles(x, 0x000F000F), l1 = nibbles(x8, 0x000F000F);
+    const uint32_t h0 = nibbles(x, 0x00F000F0), h1 = nibbles(x8, 0x00F000F0);
+    const half2    r0 = __hsub2(*(const half2 *) &l0, c1032);
+    const half2    r1 = __hsub2(*(const half2 *) &l1, c1032);
+    const half2    r2 = __hfma2(*(const half2 *) &h0, s16, m72);
+    const half2    r3 = __hfma2(*(const half2 *) &h1, s16, m72);
+    lo[0]             = *(const uint32_t *) &r0;
+    lo[1]             = *(const uint32_t *) &r1;
+    hi[0]             = *(const uint32_t *) &r2;
+    hi[1]             = *(const uint32_t *) &r3;
+}
+
+template <bool ZERO>
+static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    if (ZERO) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%10, %10, %10, %10};"
+            : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+    } else {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+static __device__ __forceinline__ void chunk(const char * t, const int mstride, const char * yst, const int lane,
+                                             float (&acc)[4][2][4]) {
+    const int g = lane / 4;
+    uint4     bf[4][2];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            bf[j][n] = *(const uint4 *) (yst + (j * 2 + n) * 512 + lane * 16);
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        const uint4    q0 = *(const uint4 *) (t + m * mstride + lane * 16);
+        const uint4    q1 = *(const uint4 *) (t + m * mstride + 512 + lane * 16);
+        const uint4    sc = *(const uint4 *) (t + m * mstride + 1024 + g * 16);
+        const uint32_t w0[4] = { q0.x, q0.y, q0.z, q0.w };
+        const uint32_t w1[4] = { q1.x, q1.y, q1.z, q1.w };
+        const float2   dg01  = __half22float2(*(const half2 *) &sc.x);
+        const float2   dg23  = __half22float2(*(const half2 *) &sc.y);
+        const float2   dh01  = __half22float2(*(const half2 *) &sc.z);
+        const float2   dh23  = __half22float2(*(const half2 *) &sc.w);
+        const float    d[4][2] = { { dg01.x, dh01.x }, { dg01.y, dh01.y }, { dg23.x, dh23.x }, { dg23.y, dh23.y } };
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            uint32_t lo[2][2], hi[2][2];
+            expand(w0[j], lo[0], hi[0]);
+            expand(w1[j], lo[1], hi[1]);
+            const uint32_t a_lo[4] = { lo[0][0], lo[1][0], lo[0][1], lo[1][1] };
+            const uint32_t a_hi[4] = { hi[0][0], hi[1][0], hi[0][1], hi[1][1] };
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+                float cs[4];
+                mma<true>(cs, a_lo, bf[j][n].x, bf[j][n].y);
+                mma<false>(cs, a_hi, bf[j][n].z, bf[j][n].w);
+                acc[m][n][0] = fmaf(d[j][0], cs[0], acc[m][n][0]);
+                acc[m][n][1] = fmaf(d[j][0], cs[1], acc[m][n][1]);
+                acc[m][n][2] = fmaf(d[j][1], cs[2], acc[m][n][2]);
+                acc[m][n][3] = fmaf(d[j][1], cs[3], acc[m][n][3]);
+            }
+        }
+    }
+}
+
+// keeps the sums alive (never true for real data: the bytes are random, the sums finite or not)
+static __device__ __forceinline__ void keep(const float (&acc)[4][2][4], unsigned acc_bits, unsigned * sink) {
+    float s = 0.0f;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                s += acc[m][n][i];
+            }
+        }
+    }
+    if (__float_as_uint(s) == 0x7fc01234u || acc_bits == 0x9e3779b9u) {
+        sink[0] = __float_as_uint(s) ^ acc_bits;
+    }
 }
 
 struct job {
@@ -79,7 +233,7 @@ struct job {
 };
 
 // the kernel's copy path (MC_MMR_FORM=3) with the arithmetic left out
-template <int STAGES, bool Y> __global__ void k_warp(const job j) {
+template <int STAGES, bool Y, bool MATH> __global__ void __launch_bounds__(128, 2) k_warp(const job j) {
     constexpr int WS = 4 * TILE + (Y ? 4096 : 0);  // a warp's stage
     extern __shared__ __align__(128) char sm[];
     __shared__ uint64_t bars[4][STAGES];
@@ -114,26 +268,39 @@ template <int STAGES, bool Y> __global__ void k_warp(const job j) {
         }
     }
     unsigned acc = 0;
+    float    sums[4][2][4] = {};
     for (int c = 0; c < n; ++c) {
         bar_wait(&bars[warp][c % STAGES], (c / STAGES) & 1);
         __syncwarp();
+        if (MATH) {
+            // the kernel issues the next copies before its arithmetic (into the stage read a chunk ago)
+            if (c + STAGES - 1 < n) {
+                issue(c + STAGES - 1, (c + STAGES - 1) % STAGES);
+            }
+            const char * sc = st + (c % STAGES) * 4 * WS;
+            chunk(sc, TILE, sc + 4 * TILE, lane, sums);
+            __syncwarp();
+            continue;
+        }
         acc += *(volatile unsigned *) (st + (c % STAGES) * 4 * WS + lane * 4);
         __syncwarp();
         if (c + STAGES - 1 < n) {
             issue(c + STAGES - 1, (c + STAGES - 1) % STAGES);
         }
     }
-    if (acc == 0x9e3779b9u) {
-        j.sink[0] = acc;
-    }
+    keep(sums, acc, j.sink);
 }
 
 // a producer warp (warp 4) fills block-wide stages; warps 0..3 consume. PERSIST: units (tile, chunk)
-// split evenly over the grid; else the warp kernel's grid (tile, K slice)
-template <int STAGES, bool Y, bool PERSIST> __global__ void k_block(const job j) {
+// split evenly over the grid; else the warp kernel's grid (tile, K slice). CL > 1: clusters of CL
+// blocks along the row tiles (the grid padded to a multiple of CL; a padding block copies no
+// weights), the activations multicast by rank 0 once every block of the cluster has freed the stage
+template <int STAGES, bool Y, bool PERSIST, bool MATH, int CL>
+__global__ void __launch_bounds__(160, 2) k_block(const job j) {
+    static_assert(!(PERSIST && CL > 1) && (CL == 1 || Y), "clusters share the activations of one K slice");
     constexpr int SB = 16 * TILE + (Y ? 16384 : 0);
     extern __shared__ __align__(128) char sm[];
-    __shared__ uint64_t full[STAGES], empty[STAGES];
+    __shared__ uint64_t full[STAGES], empty[STAGES], cluster_empty[STAGES];
     const int     warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int     nchunks = j.nquads / 4;
     int64_t       u0, u1;
@@ -146,49 +313,73 @@ template <int STAGES, bool Y, bool PERSIST> __global__ void k_block(const job j)
         u0           = (int64_t) blockIdx.x * nchunks + c0;
         u1           = (int64_t) blockIdx.x * nchunks + min(nchunks, c0 + j.per);
     }
-    const int n = (int) (u1 - u0);
+    const int      n      = (int) (u1 - u0);
+    const bool     has_w  = (int) blockIdx.x < j.ntiles || PERSIST;
+    const uint32_t rank   = CL > 1 ? cluster_rank() : 0;
+    const uint32_t wbytes = has_w ? 16 * TILE : 0;
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             bar_init(&full[s], 1);
             bar_init(&empty[s], 4);
+            bar_init(&cluster_empty[s], CL);
         }
     }
-    __syncthreads();
+    if (CL > 1) {
+        cluster_sync();  // every block's barriers exist before any multicast or remote arrival
+    } else {
+        __syncthreads();
+    }
+    unsigned acc = 0;
+    float    sums[4][2][4] = {};
     if (warp == 4) {
         if (lane == 0) {
             for (int i = 0; i < n; ++i) {
                 const int s = i % STAGES;
                 if (i >= STAGES) {
                     bar_wait(&empty[s], ((i / STAGES) - 1) & 1);
+                    if (CL > 1) {
+                        bar_arrive_remote(&cluster_empty[s], 0);
+                    }
                 }
-                bar_expect(&full[s], SB);
+                bar_expect(&full[s], wbytes + (Y ? 16384 : 0));
                 const int64_t u    = u0 + i;
                 const int64_t tile = u / nchunks;
                 const int     c    = (int) (u % nchunks);
-                for (int m = 0; m < 4; ++m) {
-                    bulk(sm + s * SB + m * 4 * TILE, j.w + ((tile * 4 + m) * j.nquads + 4 * c) * TILE, 4 * TILE,
-                         &full[s]);
+                if (has_w) {
+                    for (int m = 0; m < 4; ++m) {
+                        bulk(sm + s * SB + m * 4 * TILE, j.w + ((tile * 4 + m) * j.nquads + 4 * c) * TILE, 4 * TILE,
+                             &full[s]);
+                    }
                 }
-                if (Y) {
+                if (Y && CL == 1) {
                     bulk(sm + s * SB + 16 * TILE, j.y + (int64_t) c * 16384, 16384, &full[s]);
+                } else if (Y && rank == 0) {
+                    if (i >= STAGES) {
+                        bar_wait<true>(&cluster_empty[s], ((i / STAGES) - 1) & 1);
+                    }
+                    bulk_mc(sm + s * SB + 16 * TILE, j.y + (int64_t) c * 16384, 16384, &full[s], (1u << CL) - 1);
                 }
             }
         }
-        return;
-    }
-    unsigned acc = 0;
-    for (int i = 0; i < n; ++i) {
-        const int s = i % STAGES;
-        bar_wait(&full[s], (i / STAGES) & 1);
-        acc += *(volatile unsigned *) (sm + s * SB + warp * 4 * TILE + lane * 4);
-        __syncwarp();
-        if (lane == 0) {
-            bar_arrive(&empty[s]);
+    } else {
+        for (int i = 0; i < n; ++i) {
+            const int s = i % STAGES;
+            bar_wait(&full[s], (i / STAGES) & 1);
+            if (MATH) {
+                chunk(sm + s * SB + warp * TILE, 4 * TILE, sm + s * SB + 16 * TILE + warp * 4096, lane, sums);
+            } else {
+                acc += *(volatile unsigned *) (sm + s * SB + warp * 4 * TILE + lane * 4);
+            }
+            __syncwarp();
+            if (lane == 0) {
+                bar_arrive(&empty[s]);
+            }
         }
     }
-    if (acc == 0x9e3779b9u) {
-        j.sink[0] = acc;
+    if (CL > 1) {
+        cluster_sync();  // no block leaves while a peer may still copy into it or arrive on its barriers
     }
+    keep(sums, acc, j.sink);
 }
 
 __global__ void k_ldg(const uint4 * p, const int64_t n, unsigned * sink) {
@@ -246,33 +437,57 @@ struct shape {
 
 typedef void (*launch_fn)(const job &, int nsm, int bps, size_t smem, cudaStream_t);
 
-template <int STAGES, bool Y> static void run_warp(const job & j, int nsm, int bps, size_t smem, cudaStream_t s) {
+template <int STAGES, bool Y, bool MATH>
+static void run_warp(const job & j, int nsm, int bps, size_t smem, cudaStream_t s) {
     const int ks = kslices(j.ntiles, j.nquads / 4, bps * nsm);
     job       jj = j;
     jj.per       = (j.nquads / 4 + ks - 1) / ks;
-    k_warp<STAGES, Y><<<dim3(j.ntiles, (j.nquads / 4 + jj.per - 1) / jj.per), 128, smem, s>>>(jj);
+    k_warp<STAGES, Y, MATH><<<dim3(j.ntiles, (j.nquads / 4 + jj.per - 1) / jj.per), 128, smem, s>>>(jj);
 }
 
-template <int STAGES, bool Y, bool PERSIST>
+template <int STAGES, bool Y, bool PERSIST, bool MATH, int CL>
 static void run_block(const job & j, int nsm, int bps, size_t smem, cudaStream_t s) {
     job jj = j;
     if (PERSIST) {
-        k_block<STAGES, Y, true><<<bps * nsm, 160, smem, s>>>(jj);
+        k_block<STAGES, Y, true, MATH, 1><<<bps * nsm, 160, smem, s>>>(jj);
         return;
     }
     const int ks = kslices(j.ntiles, j.nquads / 4, bps * nsm);
     jj.per       = (j.nquads / 4 + ks - 1) / ks;
-    k_block<STAGES, Y, false><<<dim3(j.ntiles, (j.nquads / 4 + jj.per - 1) / jj.per), 160, smem, s>>>(jj);
+    const dim3 grid((j.ntiles + CL - 1) / CL * CL, (j.nquads / 4 + jj.per - 1) / jj.per);
+    if (CL == 1) {
+        k_block<STAGES, Y, false, MATH, CL><<<grid, 160, smem, s>>>(jj);
+        return;
+    }
+    cudaLaunchConfig_t   cfg = {};
+    cudaLaunchAttribute  attr[1];
+    attr[0].id               = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = CL;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.gridDim              = grid;
+    cfg.blockDim             = dim3(160);
+    cfg.dynamicSmemBytes     = smem;
+    cfg.stream               = s;
+    cfg.attrs                = attr;
+    cfg.numAttrs             = 1;
+    CHECK(cudaLaunchKernelEx(&cfg, k_block<STAGES, Y, false, MATH, CL>, jj));
 }
 
 struct config {
     const char * name;
     int          stages;
     bool         y;
+    bool         math;
+    int          cluster;
     size_t       need;  // shared memory a block needs
     const void * kernel;
     launch_fn    fn;
 };
+
+#define WARP(ST, Y, M, NEED) { "warp", ST, Y, M, 1, NEED, (const void *) k_warp<ST, Y, M>, run_warp<ST, Y, M> }
+#define BLOCK(NAME, ST, Y, P, M, CL, NEED) \
+    { NAME, ST, Y, M, CL, NEED, (const void *) k_block<ST, Y, P, M, CL>, run_block<ST, Y, P, M, CL> }
 
 // us a launch of launch(i) over repeats launches on st, after 3 untimed ones (i: which region)
 template <typename F> static double time_us(F launch, int repeats, cudaStream_t st, cudaEvent_t e0, cudaEvent_t e1) {
@@ -298,11 +513,12 @@ static char * region(char * arena, size_t arena_bytes, size_t bytes, int i) {
     return arena + ((size_t) (i % n) * bytes + 4095) / 4096 * 4096;
 }
 
-static void print_row(const char * name, int stages, bool y, int bps, const shape & sh, double us) {
+static void print_row(const config & cf, int bps, const shape & sh, double us) {
     const size_t bytes = (size_t) sh.rows * sh.k / 32 * 18;
-    printf("{\"structure\": \"%s\", \"stages\": %d, \"y\": %s, \"blocks_per_sm\": %d, \"rows\": %d, \"k\": %d, "
-           "\"us\": %.3f, \"tb_s\": %.4f}\n",
-           name, stages, y ? "true" : "false", bps, sh.rows, sh.k, us, bytes / us / 1e6);
+    printf("{\"structure\": \"%s\", \"stages\": %d, \"y\": %s, \"math\": %s, \"cluster\": %d, \"blocks_per_sm\": %d, "
+           "\"rows\": %d, \"k\": %d, \"us\": %.3f, \"tb_s\": %.4f}\n",
+           cf.name, cf.stages, cf.y ? "true" : "false", cf.math ? "true" : "false", cf.cluster, bps, sh.rows, sh.k, us,
+           bytes / us / 1e6);
     fflush(stdout);
 }
 
@@ -352,18 +568,29 @@ int main(int argc, char ** argv) {
 
     const size_t ws = 4 * TILE, wsy = 4 * TILE + 4096, sb = 16 * TILE, sby = 16 * TILE + 16384;
     const std::vector<config> configs = {
-        { "warp", 3, true, 3 * 4 * wsy, (const void *) k_warp<3, true>, run_warp<3, true> },
-        { "warp", 3, false, 3 * 4 * ws, (const void *) k_warp<3, false>, run_warp<3, false> },
-        { "warp", 4, false, 4 * 4 * ws, (const void *) k_warp<4, false>, run_warp<4, false> },
-        { "warp", 6, false, 6 * 4 * ws, (const void *) k_warp<6, false>, run_warp<6, false> },
-        { "warp", 5, true, 5 * 4 * wsy, (const void *) k_warp<5, true>, run_warp<5, true> },
-        { "block", 3, true, 3 * sby, (const void *) k_block<3, true, false>, run_block<3, true, false> },
-        { "block", 3, false, 3 * sb, (const void *) k_block<3, false, false>, run_block<3, false, false> },
-        { "block", 6, false, 6 * sb, (const void *) k_block<6, false, false>, run_block<6, false, false> },
-        { "persist", 3, true, 3 * sby, (const void *) k_block<3, true, true>, run_block<3, true, true> },
-        { "persist", 3, false, 3 * sb, (const void *) k_block<3, false, true>, run_block<3, false, true> },
-        { "persist", 6, false, 6 * sb, (const void *) k_block<6, false, true>, run_block<6, false, true> },
-        { "persist", 2, true, 2 * sby, (const void *) k_block<2, true, true>, run_block<2, true, true> },
+        // the copies alone
+        WARP(3, true, false, 3 * 4 * wsy),
+        WARP(3, false, false, 3 * 4 * ws),
+        WARP(4, false, false, 4 * 4 * ws),
+        WARP(6, false, false, 6 * 4 * ws),
+        WARP(5, true, false, 5 * 4 * wsy),
+        BLOCK("block", 3, true, false, false, 1, 3 * sby),
+        BLOCK("block", 3, false, false, false, 1, 3 * sb),
+        BLOCK("block", 6, false, false, false, 1, 6 * sb),
+        BLOCK("persist", 3, true, true, false, 1, 3 * sby),
+        BLOCK("persist", 3, false, true, false, 1, 3 * sb),
+        BLOCK("persist", 6, false, true, false, 1, 6 * sb),
+        BLOCK("persist", 2, true, true, false, 1, 2 * sby),
+        BLOCK("cluster", 3, true, false, false, 2, 3 * sby),
+        BLOCK("cluster", 3, true, false, false, 4, 3 * sby),
+        // with the kernel's arithmetic
+        WARP(3, true, true, 3 * 4 * wsy),
+        BLOCK("block", 3, true, false, true, 1, 3 * sby),
+        BLOCK("block", 2, true, false, true, 1, 2 * sby),
+        BLOCK("persist", 3, true, true, true, 1, 3 * sby),
+        BLOCK("cluster", 3, true, false, true, 2, 3 * sby),
+        BLOCK("cluster", 3, true, false, true, 4, 3 * sby),
+        BLOCK("cluster", 2, true, false, true, 2, 2 * sby),
     };
     const int max_block = 227 * 1024;
     for (const config & cf : configs) {
@@ -385,7 +612,7 @@ int main(int argc, char ** argv) {
                     ji.w   = region(w, arena, bytes, i);
                     cf.fn(ji, nsm, bps, smem, st);
                 };
-                print_row(cf.name, cf.stages, cf.y, bps, sh, time_us(launch, repeats, st, e0, e1));
+                print_row(cf, bps, sh, time_us(launch, repeats, st, e0, e1));
             }
         }
     }
@@ -394,7 +621,8 @@ int main(int argc, char ** argv) {
         auto         launch = [&](int i) {
             k_ldg<<<nsm * 8, 256, 0, st>>>((const uint4 *) region(w, arena, bytes, i), (int64_t) (bytes / 16), sink);
         };
-        print_row("ldg", 0, false, 8, sh, time_us(launch, repeats, st, e0, e1));
+        const config ldg = { "ldg", 0, false, false, 1, 0, nullptr, nullptr };
+        print_row(ldg, 8, sh, time_us(launch, repeats, st, e0, e1));
     }
     return 0;
 }

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """The copy lab (bench/gpu/copy_lab.cu): how fast each copy structure brings the 16-column repacked
-product's weights into shared memory, with no arithmetic, at the 27B's product shapes; summed over a
-verify step's launches (the shapes x how often a step launches each) against the kernel's own copy
-path ("warp", 3 stages, with activations) and plain streaming loads ("ldg"). Writes JSON and prints
-a table.
+product's weights into shared memory, with no arithmetic and then with the kernel's arithmetic, at
+the 27B's product shapes; summed over a verify step's launches (the shapes x how often a step
+launches each) against the kernel's own structure ("warp", 3 stages, with activations), plain
+streaming loads ("ldg"), and blocks sharing their activations by multicast ("cluster"). Writes JSON
+and prints a table.
 
 usage (on the GPU machine; nvcc): python3 bench/gpu/copy_lab.py --json OUT.json [--repeats 40]"""
 
@@ -53,11 +54,18 @@ def step_totals(rows: list[dict], plan: dict[tuple[int, int], int]) -> list[dict
     only structures measured at every shape."""
     by: dict[tuple, dict[tuple[int, int], float]] = {}
     for r in rows:
-        key = (r["structure"], r["stages"], r["y"], r["blocks_per_sm"])
+        key = (
+            r["structure"],
+            r["stages"],
+            r["y"],
+            r.get("math", False),
+            r.get("cluster", 1),
+            r["blocks_per_sm"],
+        )
         by.setdefault(key, {})[(r["rows"], r["k"])] = r["us"]
     weight_bytes = sum(n * rows * k * 18 // 32 for (rows, k), n in plan.items())
     out = []
-    for (structure, stages, y, bps), us in by.items():
+    for (structure, stages, y, math, cluster, bps), us in by.items():
         if not all(s in us for s in plan):
             continue
         total_us = sum(n * us[s] for s, n in plan.items())
@@ -66,21 +74,25 @@ def step_totals(rows: list[dict], plan: dict[tuple[int, int], int]) -> list[dict
                 "structure": structure,
                 "stages": stages,
                 "y": y,
+                "math": math,
+                "cluster": cluster,
                 "blocks_per_sm": bps,
                 "step_ms": round(total_us / 1000, 3),
                 "tb_s": round(weight_bytes / total_us / 1e6, 3),
             }
         )
-    return sorted(out, key=lambda r: r["step_ms"])
+    return sorted(out, key=lambda r: (r["math"], r["step_ms"]))
 
 
 def table(totals: list[dict]) -> str:
-    lines = [f"{'structure':<10}{'stages':>7}{'acts':>6}{'blk/SM':>7}{'step ms':>10}{'TB/s':>8}"]
+    head = f"{'structure':<10}{'stages':>7}{'acts':>6}{'math':>6}{'cluster':>8}{'blk/SM':>7}"
+    lines = [head + f"{'step ms':>10}{'TB/s':>8}"]
     for t in totals:
         acts = "yes" if t["y"] else "no"
+        math = "yes" if t.get("math") else "no"
         lines.append(
-            f"{t['structure']:<10}{t['stages']:>7}{acts:>6}{t['blocks_per_sm']:>7}"
-            f"{t['step_ms']:>10.3f}{t['tb_s']:>8.3f}"
+            f"{t['structure']:<10}{t['stages']:>7}{acts:>6}{math:>6}{t.get('cluster', 1):>8}"
+            f"{t['blocks_per_sm']:>7}{t['step_ms']:>10.3f}{t['tb_s']:>8.3f}"
         )
     return "\n".join(lines)
 
@@ -90,13 +102,17 @@ def main() -> None:
     ap.add_argument("--json", required=True, help="where to write the results")
     ap.add_argument("--repeats", type=int, default=40, help="timed launches a shape (at least 1)")
     ap.add_argument("--nvcc", default=os.environ.get("NVCC", "nvcc"))
-    ap.add_argument("--arch", default="90", help="CUDA arch, 90 or newer (bulk copies)")
+    ap.add_argument(
+        "--arch", default="90a", help="CUDA arch: 90a (H100/H200) or newer (bulk copies, multicast)"
+    )
     ap.add_argument("--commit", default="", help="the tree's git commit, recorded in the JSON")
+    ap.add_argument("--timeout", type=float, default=240, help="seconds the program may run")
     a = ap.parse_args()
     if a.repeats < 1:
         raise SystemExit(f"--repeats {a.repeats}: must be at least 1")
-    if not a.arch.isdigit() or int(a.arch) < 90:
-        raise SystemExit(f"--arch {a.arch!r}: must be 90 or newer (bulk copies need Hopper)")
+    digits = a.arch.rstrip("af")
+    if not digits.isdigit() or int(digits) < 90 or len(a.arch) - len(digits) > 1:
+        raise SystemExit(f"--arch {a.arch!r}: expected 90a, 100a, 120a or another Hopper-or-newer arch")
     exe = Path(tempfile.mkdtemp(prefix="copy_lab")) / "copy_lab"
     src = HERE / "copy_lab.cu"
     cmd = [
@@ -111,18 +127,17 @@ def main() -> None:
     subprocess.run(cmd, check=True)
     plan = step_shapes()
     args = [str(exe), str(a.repeats), *(f"{r}:{k}" for r, k in plan)]
-    res = subprocess.run(args, capture_output=True, text=True, check=False)
-    if res.returncode != 0:
-        sys.stderr.write(res.stderr)
-        raise SystemExit(f"copy_lab exited {res.returncode}")
+    try:
+        res = subprocess.run(args, capture_output=True, text=True, check=False, timeout=a.timeout)
+    except subprocess.TimeoutExpired as e:
+        raise SystemExit(f"copy_lab ran past --timeout {a.timeout} s (a hung structure?)") from e
     rows = parse(res.stdout.splitlines())
     totals = step_totals(rows, plan)
-    gpu = subprocess.run(
-        ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-        capture_output=True,
-        text=True,
-        check=False,
-    ).stdout.strip()
+    try:
+        query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+        gpu = subprocess.run(query, capture_output=True, text=True, check=False).stdout.strip()
+    except FileNotFoundError:
+        gpu = ""
     out = {
         "gpu": gpu,
         "date": datetime.date.today().isoformat(),
@@ -132,8 +147,12 @@ def main() -> None:
         "step_totals": totals,
         "launches": rows,
     }
+    if res.returncode != 0:  # the rows before the failure are kept
+        out["error"] = f"copy_lab exited {res.returncode}: {res.stderr.strip()[-2000:]}"
     Path(a.json).write_text(json.dumps(out, indent=1))
     print(table(totals))
+    if res.returncode != 0:
+        raise SystemExit(out["error"])
 
 
 if __name__ == "__main__":

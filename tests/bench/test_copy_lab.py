@@ -1,6 +1,6 @@
 """bench/gpu/copy_lab.py: its verify-step plan is the 27B's Q4_0 product launches (launch_probe's plan,
 rows rounded down to the lab's 64-row tiles), its step totals weight each shape by its launches, and
-copy_lab.cu compiles for sm_90 and refuses bad arguments with a clear message."""
+copy_lab.cu compiles for sm_90a and refuses bad arguments with a clear message."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def test_the_lab_compiles_and_refuses_bad_arguments(tmp_path):
         nvcc,
         "-std=c++17",
         "-O3",
-        "-gencode=arch=compute_90,code=sm_90",
+        "-gencode=arch=compute_90a,code=sm_90a",
         str(GPU / "copy_lab.cu"),
         "-o",
         str(exe),
@@ -78,6 +78,7 @@ def test_bad_driver_arguments_are_clear_errors(monkeypatch):
     for argv, msg in (
         (["--json", "x.json", "--repeats", "0"], "--repeats 0"),
         (["--json", "x.json", "--arch", "80"], "--arch '80'"),
+        (["--json", "x.json", "--arch", "9x"], "--arch '9x'"),
     ):
         monkeypatch.setattr("sys.argv", ["copy_lab.py", *argv])
         with pytest.raises(SystemExit) as e:
