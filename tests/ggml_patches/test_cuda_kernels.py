@@ -84,6 +84,15 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     # diagnostic, removed after its measurements (commit 7fe531f has it)
     assert "MC_MMR_PROBE" not in source
     assert ("1", "2", "1") not in forms
+    # MC_MMR_WS (patch 0021, an experiment, off by default): the 16-column bulk form with a producer
+    # warp, alone (1) or in clusters of 2 or 4 sharing the activations by multicast; 160 threads and
+    # 2 blocks an SM: 10 warps, 3 on some scheduler, so at most 170 registers (65,536 / 4 / 96). Not
+    # built for sm_120 (3 stages do not fit its ~100 KB a block)
+    name = r"Compiling entry function '_Z14mc_mmr_ws_q4_0ILi3ELi(\d)EE\w+'.*?Used (\d+) registers"
+    ws = re.findall(name, report, re.S)
+    assert sorted(cl for cl, _ in ws) == ["1", "2", "4"], ws
+    assert all(int(r) <= (170 if arch == "90" else 32) for _, r in ws), ws
+    assert 'mc_env_int("MC_MMR_WS", 0, 4, 0)' in source
     assert "Compiling entry function '_Z13mc_mmr_repack" in report
     assert "Compiling entry function '_Z16mc_mmr_convert_yPKfP6__halfilii" in report
     # Q6_K at one column (the output matrix): one kernel, registers for its 6 blocks of 128 threads
