@@ -122,6 +122,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.rounds < 1:
         raise SystemExit("--rounds: at least 1")
+    if not os.access(a.bench, os.X_OK):
+        raise SystemExit(f"--bench {a.bench}: no such program (bench/gpu/side_by_side.sh builds it)")
     settings = [parse_setting(s) for s in a.setting]
     names = [n for n, _ in settings]
     if len(set(names)) != len(names):

@@ -156,6 +156,19 @@ def c_place(lane: int, i: int) -> tuple[int, int]:
     return g + (8 if i >= 2 else 0), 2 * t + (i & 1)
 
 
+def reduce_warps(acc: np.ndarray, out: np.ndarray, row0: int, nr: int, ncols: int):
+    """mc_mmq_reduce_warps: the warps' sums acc [warp][m][n][lane][i] added into out [col, row] at
+    row row0 + m * 16 + g (+ 8), column n * 8 + 2 t + (i & 1), within nr rows and ncols columns."""
+    for m in range(nr // 16):
+        for n in range(acc.shape[2]):
+            for lane in range(32):
+                for i in range(4):
+                    r, col = c_place(lane, i)
+                    r, col = m * 16 + r, n * 8 + col
+                    if col < ncols and r < nr:
+                        out[col, row0 + r] += acc[:, m, n, lane, i].sum()
+
+
 def run_kernel(
     copy: np.ndarray, ybytes: np.ndarray, rows: int, k: int, ncols: int, nt: int, ks: int, bulk: bool = False
 ) -> np.ndarray:
@@ -206,15 +219,7 @@ def run_kernel(
                 q_at, sc_m, y_at = (TILE, TILE, 4 * TILE) if bulk else (1024, 128, 9 * 512)
                 sc0 = 1024 if bulk else 8 * 512
                 chunk(st, st[y_at:], nmt, nt, q_at, sc0, sc_m, acc[warp])
-        # mc_mmq_reduce_warps: row m * 16 + g (+ 8), column n * 8 + 2 t + (i & 1)
-        for m in range(nmt):
-            for n in range(nt):
-                for lane in range(32):
-                    for i in range(4):
-                        r, col = c_place(lane, i)
-                        r, col = m * 16 + r, n * 8 + col
-                        if col < ncols and r < nr:
-                            partial[slice_, col, row0 + r] += acc[:, m, n, lane, i].sum()
+        reduce_warps(acc, partial[slice_], row0, nr, ncols)
     return partial.sum(axis=0)
 
 
@@ -256,15 +261,7 @@ def run_kernel_ws(
             for warp in range(WARPS):
                 t0 = warp * TILE
                 chunk(st[t0:], st[wbytes + warp * y_warp :], nmt, nt, mstride, 1024, mstride, acc[warp])
-        for warp in range(WARPS):
-            for m in range(nmt):
-                for n in range(nt):
-                    for lane in range(32):
-                        for i in range(4):
-                            r, col = c_place(lane, i)
-                            r, col = m * 16 + r, n * 8 + col
-                            if col < ncols and r < nr:
-                                partial[slice_, col, row0 + r] += acc[warp, m, n, lane, i]
+        reduce_warps(acc, partial[slice_], row0, nr, ncols)
     assert padded - ntiles < cl  # the padding blocks: fewer than a cluster, no rows, no output
     return partial.sum(axis=0)
 
