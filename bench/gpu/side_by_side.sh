@@ -43,7 +43,7 @@
 # vN:MC_MMV_VARIANT=N; e.g. vng:MC_MMV_GROUP=0 measures the patched build without the grouping),
 # MC_SBS_VARIANT_MEASURE (what to measure for each: logits,tg,verify1,ops (test-backend-ops of the
 # MC_SBS_OPS list, or MC_SBS_VARIANT_OPS_<name>, under the setting); also verify12, batched;
-# MC_SBS_VARIANT_MEASURE_<name> for one),
+# MC_SBS_VARIANT_MEASURE_<name> for one; MC_SBS_VARIANT_STEP_CAP: the most seconds one of their steps runs),
 # MC_SBS_MEASURE (logits,tg,verify1,verify12,batched), MC_SBS_ENGINE_NEED (seconds the engine part
 # must have left to start, default 240), MC_ENGINE_ARGS (for bench/gpu/engine_gpu.py,
 # default --tasks 12), MC_SBS_WEIGHTS (q4_0 or q8_0 random model), MC_SBS_BACKEND (cpu: the same
@@ -193,8 +193,10 @@ step() {  # name, minimum seconds needed, command...
   [ -f "$S/$name.done" ] && return 0
   if [ "$(left)" -lt "$need" ]; then log "not enough time for $name; call again"; exit 3; fi
   log "$name: $*"
-  local t0=$SECONDS
-  timeout $(( $(left) - 10 )) "$@" > "$S/$name.out" 2> "$S/$name.err"
+  local t0=$SECONDS limit=$(( $(left) - 10 ))
+  # a variant's step stops at MC_SBS_VARIANT_STEP_CAP seconds (a kernel that hangs costs no more)
+  [ -n "${STEP_CAP:-}" ] && [ "$STEP_CAP" -lt "$limit" ] && limit=$STEP_CAP
+  timeout "$limit" "$@" > "$S/$name.out" 2> "$S/$name.err"
   local rc=$?
   log "$name exit $rc in $((SECONDS - t0)) s"
   [ $rc = 0 ] && touch "$S/$name.done" || tail -5 "$S/$name.err"
@@ -245,6 +247,7 @@ for B in ${BUILDS//,/ }; do
     done ;;
   esac
   if [ "$B" = patched ] && [ -n "${MC_SBS_VARIANTS:-}" ]; then  # kernel variants: settings of the patched build
+    STEP_CAP=${MC_SBS_VARIANT_STEP_CAP:-}
     for item in ${MC_SBS_VARIANTS//,/ }; do
       case "$item" in
         *:*) v=${item%%:*} settings=${item#*:} ;;
@@ -267,6 +270,7 @@ for B in ${BUILDS//,/ }; do
       done
       for kv in ${settings//+/ }; do unset "${kv%%=*}"; done
     done
+    STEP_CAP=
   fi
   unset LD_LIBRARY_PATH
 done
