@@ -223,68 +223,6 @@ def run_kernel(
     return partial.sum(axis=0)
 
 
-def run_kernel_ws(
-    copy: np.ndarray,
-    ybytes: np.ndarray,
-    rows: int,
-    k: int,
-    ncols: int,
-    ks: int,
-    cl: int,
-    mstride: int = 4 * TILE,
-    y_warp: int = 4096,
-) -> np.ndarray:
-    """mc_mmr_ws_q4_0 (MC_MMR_WS, 16 columns): the producer fills a block-wide stage per chunk (row
-    tile m's 4 quads, contiguous in the copy, at m * 4,608; the chunk's 16 KB of activations at
-    18,432; with clusters, rank 0's one copy lands in every block of the cluster); compute warp w
-    reads its quad of row tile m at w * 1,152 + m * mstride and its activations at 18,432 + w *
-    y_warp. The grid is padded to a multiple of cl; a padding block writes nothing. mstride, y_warp:
-    for mutations (1,152 or 0: the per-warp form's places, which must fail)."""
-    nt, nquads = 2, k // 128
-    mt_stride = nquads * TILE
-    wbytes, ybytes_c = 16 * TILE, 16 * 16 * 64
-    ntiles = (rows + ROWS - 1) // ROWS
-    partial = np.zeros((ks, ncols, rows))
-    grid = [b for b in blocks(rows, ROWS, nquads // 4, ks)]
-    padded = (ntiles + cl - 1) // cl * cl
-    for row0, nr, slice_, c_begin, nchunks in grid:
-        nmt = nr // 16
-        acc = np.zeros((WARPS, WARPS, nt, 32, 4))
-        for c in range(nchunks):
-            st = np.zeros(wbytes + ybytes_c + 4 * 4096, np.uint8)  # room for the mutations' reads
-            w0 = (row0 // 16) * mt_stride + 4 * c_begin * TILE + c * 4 * TILE
-            for m in range(nmt):
-                a0 = w0 + m * mt_stride
-                st[m * 4 * TILE : (m + 1) * 4 * TILE] = copy[a0 : a0 + 4 * TILE]
-            y0 = (c_begin + c) * ybytes_c  # one span for every block of the slice: rank 0's multicast
-            st[wbytes : wbytes + ybytes_c] = ybytes[y0 : y0 + ybytes_c]
-            for warp in range(WARPS):
-                t0 = warp * TILE
-                chunk(st[t0:], st[wbytes + warp * y_warp :], nmt, nt, mstride, 1024, mstride, acc[warp])
-        reduce_warps(acc, partial[slice_], row0, nr, ncols)
-    assert padded - ntiles < cl  # the padding blocks: fewer than a cluster, no rows, no output
-    return partial.sum(axis=0)
-
-
-@pytest.mark.parametrize(
-    ("rows", "k", "ncols", "ks", "cl"),
-    [(80, 1024, 12, 1, 1), (192, 1024, 16, 2, 2), (48, 512, 9, 1, 4)],
-)
-def test_the_producer_warp_form_computes_the_product(rows, k, ncols, ks, cl):
-    """MC_MMR_WS: block-wide stages filled by a producer warp (and, in clusters, one activations
-    copy for every block); a partial last tile (80 rows), K slices, a padded cluster grid."""
-    rng = np.random.default_rng(rows * 5 + k + ncols)
-    w = q4_0_rows(rng, rows, k)
-    x = rng.standard_normal((ncols, k)).astype(np.float32)
-    want = x.astype(np.float16).astype(np.float64) @ dequant(w, rows, k).T
-    copy, ybytes = repack(w, rows, k), convert_y(x, 16)
-    got = run_kernel_ws(copy, ybytes, rows, k, ncols, ks, cl)
-    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
-    for mutation in ({"mstride": TILE}, {"y_warp": 0}):
-        bad = run_kernel_ws(copy, ybytes, rows, k, ncols, ks, cl, **mutation)
-        assert not np.allclose(bad, want, rtol=1e-3, atol=1e-3), mutation
-
-
 @pytest.mark.parametrize("bulk", [False, True])
 @pytest.mark.parametrize(
     ("rows", "k", "ncols", "ks"),
