@@ -227,6 +227,11 @@ def test_the_patched_ggml_cuda_compiles(patched, tmp_path):
     l2_plan = main.index("mc_gdn_l2_plan_graph(cgraph, stream_ctx.concurrent_events.empty());")
     assert plan < l2_plan < main.index("mc_gdn_l2_skip.count(node)", l2_plan) < fuse
     assert main.index("mc_gdn_l2_plan.clear();", fuse) > fuse
+    # MC_PROBE_SKIP (patch 0021, a timing diagnostic; wrong results when set): the named ops' nodes
+    # are left out before any fusion or grouping could take them, read once from the environment
+    probe = main.index("if (mc_probe_skip(node))", l2_plan)
+    assert main.index("mc_gdn_l2_skip.count(node)", l2_plan) < probe < fuse
+    assert main.count('getenv("MC_PROBE_SKIP")') == 1
     assert "ggml_cuda_op_gated_delta_net(ctx, dst, mc_gdn_l2_for(dst));" in main
     assert "fused_state_cpy, mc_gdn_l2_for(node));" in main
 
