@@ -1,0 +1,209 @@
+// GDN lab: the Gated DeltaNet recurrence's kernels of the patched tree (gated_delta_net.cu, included
+// as it is) launched directly at the 27B's shapes, without building llama.cpp: 48 heads of 128, q / k
+// on 16 heads, the scalar gate, q and k normalised in the kernel (MC_FUSE_GDN_L2, the 27B's path),
+// one sequence, 1 or more tokens. A step's 48 launches (one a layer, each layer's own state in and out,
+// 3 MB each way, as in the model) timed by events; each kernel's outputs (attention and the final
+// state) against the staged kernel's (the default at 2+ tokens) or the stock one's (at one token).
+// Variants: stock (patch 0017's CH = 0), staged (CH = 16, MC_GDN_STAGE), wide (MC_GDN_WIDE=1),
+// chunked (MC_GDN_WIDE=2). Output: one JSON object a line.
+// Usage: gdn_lab REPEATS TOKENS [TOKENS ...] (bench/gpu/gdn_lab.py compiles it against a patched tree;
+// the host functions the op's launcher names are stubs here that stop the program: none of them runs)
+#include "gated_delta_net.cu"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+// the launcher's host dependencies (libggml-base / ggml-cuda), never called by the lab
+[[noreturn]] static void lab_unreachable(const char * name) {
+    fprintf(stderr, "gdn_lab: %s called\n", name);
+    exit(1);
+}
+void ggml_cuda_error(const char *, const char *, const char *, int, const char * msg) {
+    lab_unreachable(msg);
+}
+const ggml_cuda_device_info & ggml_cuda_info() {
+    lab_unreachable("ggml_cuda_info");
+}
+void ggml_cuda_set_device(int) {
+    lab_unreachable("ggml_cuda_set_device");
+}
+int ggml_cuda_get_device() {
+    lab_unreachable("ggml_cuda_get_device");
+}
+int ggml_cuda_mc_env_int(const char * name, int, int, int) {
+    lab_unreachable(name);
+}
+void ggml_abort(const char * file, int, const char *, ...) {
+    lab_unreachable(file);
+}
+int64_t ggml_nelements(const struct ggml_tensor *) {
+    lab_unreachable("ggml_nelements");
+}
+bool ggml_is_contiguous(const struct ggml_tensor *) {
+    lab_unreachable("ggml_is_contiguous");
+}
+bool ggml_is_contiguous_rows(const struct ggml_tensor *) {
+    lab_unreachable("ggml_is_contiguous_rows");
+}
+bool ggml_are_same_stride(const struct ggml_tensor *, const struct ggml_tensor *) {
+    lab_unreachable("ggml_are_same_stride");
+}
+
+#define LAB_CHECK(x)                                                                              \
+    do {                                                                                          \
+        cudaError_t e_ = (x);                                                                     \
+        if (e_ != cudaSuccess) {                                                                  \
+            fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));          \
+            exit(1);                                                                              \
+        }                                                                                         \
+    } while (0)
+
+static constexpr int LAB_SV = 128, LAB_H = 48, LAB_HK = 16, LAB_LAYERS = 48;
+static constexpr int LAB_ROW = 2 * LAB_HK * LAB_SV + LAB_H * LAB_SV;  // q, k, v of a token: 10,240 floats
+
+struct lab_bufs {
+    float *              qkv, *g, *beta, *out;
+    std::vector<float *> s_in, s_out;  // a layer's state in and out
+};
+
+static void launch(const std::string & variant, const lab_bufs & b, int layer, int n) {
+    const int64_t sq1 = LAB_SV, sq2 = LAB_ROW, sq3 = (int64_t) LAB_ROW * n;
+    const int64_t sb1 = 1, sb2 = LAB_H, sb3 = (int64_t) LAB_H * n;
+    const uint3   neqk1 = init_fastdiv_values(LAB_HK), rq3 = init_fastdiv_values(1);
+    const float   scale = 1.0f / sqrtf((float) LAB_SV), eps = 1e-6f, l2s = 1.0f;
+    const float * q = b.qkv, *k = b.qkv + LAB_HK * LAB_SV, *v = b.qkv + 2 * LAB_HK * LAB_SV;
+    const int64_t slot = (int64_t) LAB_SV * LAB_SV * LAB_H;
+    const int     ch   = n < MC_GDN_CHUNK ? n : MC_GDN_CHUNK;
+    const dim3    block(32, 4);
+    if (variant == "stock" || variant == "staged") {
+        const bool   staged = variant == "staged";
+        const size_t smem   = staged ? sizeof(float) * mc_gdn_stage_floats(LAB_SV, false, ch, 4) : 0;
+        auto kernel = staged ? gated_delta_net_cuda<LAB_SV, false, false, MC_GDN_CHUNK, true> :
+                               gated_delta_net_cuda<LAB_SV, false, false, 0, true>;
+        kernel<<<dim3(LAB_H, 1, LAB_SV / 4), block, smem>>>(q, k, v, b.g, b.beta, b.s_in[layer], b.out,
+                                                             b.s_out[layer], LAB_H, n, 1, sq1, sq2, sq3, sq1, sq2,
+                                                             sq3, sb1, sb2, sb3, neqk1, rq3, scale, slot, 1, eps, l2s);
+    } else if (variant == "wide") {
+        const size_t smem = sizeof(float) * mc_gdn_stage_floats(LAB_SV, false, ch, 4 * MC_GDN_WIDE_CPW);
+        mc_gdn_wide<false, true><<<dim3(LAB_H, 1, LAB_SV / (4 * MC_GDN_WIDE_CPW)), block, smem>>>(
+            q, k, v, b.g, b.beta, b.s_in[layer], b.out, b.s_out[layer], LAB_H, n, 1, sq1, sq2, sq3, sq1, sq2, sq3,
+            sb1, sb2, sb3, neqk1, rq3, scale, slot, 1, eps, l2s);
+    } else {
+        const size_t smem = sizeof(float) * (mc_gdn_stage_floats(LAB_SV, false, ch, MC_GDN_CHUNK_NCB) +
+                                             2 * MC_GDN_CHUNK * MC_GDN_CHUNK + MC_GDN_CHUNK);
+        mc_gdn_chunked<true><<<dim3(LAB_H, 1, LAB_SV / MC_GDN_CHUNK_NCB), block, smem>>>(
+            q, k, v, b.g, b.beta, b.s_in[layer], b.out, b.s_out[layer], LAB_H, n, 1, sq1, sq2, sq3, sq1, sq2, sq3,
+            sb1, sb2, sb3, neqk1, rq3, scale, eps, l2s);
+    }
+    LAB_CHECK(cudaGetLastError());
+}
+
+// the largest |a - b| over the largest |b|
+static double rel_diff(const std::vector<float> & a, const std::vector<float> & b) {
+    double d = 0.0, m = 0.0;
+    for (size_t i = 0; i < a.size(); i++) {
+        d = std::max(d, (double) std::fabs(a[i] - b[i]));
+        m = std::max(m, (double) std::fabs(b[i]));
+    }
+    return m > 0.0 ? d / m : d;
+}
+
+static std::vector<float> fetch(const float * p, size_t n) {
+    std::vector<float> h(n);
+    LAB_CHECK(cudaMemcpy(h.data(), p, n * sizeof(float), cudaMemcpyDeviceToHost));
+    return h;
+}
+
+int main(int argc, char ** argv) {
+    const int repeats = argc >= 3 ? atoi(argv[1]) : 0;
+    if (repeats < 1) {
+        fprintf(stderr, "usage: gdn_lab REPEATS TOKENS [TOKENS ...] (REPEATS >= 1; TOKENS 1..64)\n");
+        return 2;
+    }
+    std::vector<int> tokens;
+    for (int i = 2; i < argc; i++) {
+        const int n = atoi(argv[i]);
+        if (n < 1 || n > 64) {
+            fprintf(stderr, "TOKENS %s: expected 1..64\n", argv[i]);
+            return 2;
+        }
+        tokens.push_back(n);
+    }
+    const int        nmax = *std::max_element(tokens.begin(), tokens.end());
+    const size_t     sbytes = sizeof(float) * LAB_SV * LAB_SV * LAB_H;
+    lab_bufs         b;
+    std::mt19937     rng(7);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<float> h((size_t) LAB_ROW * nmax);
+    for (float & x : h) {
+        x = nd(rng);
+    }
+    LAB_CHECK(cudaMalloc(&b.qkv, h.size() * sizeof(float)));
+    LAB_CHECK(cudaMemcpy(b.qkv, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice));
+    std::vector<float> hg((size_t) LAB_H * nmax), hb(hg.size());
+    for (size_t i = 0; i < hg.size(); i++) {
+        hg[i] = -0.05f - 0.5f * std::fabs(nd(rng));           // log decays (negative)
+        hb[i] = 1.0f / (1.0f + std::exp(-nd(rng)));           // beta in (0, 1)
+    }
+    LAB_CHECK(cudaMalloc(&b.g, hg.size() * sizeof(float)));
+    LAB_CHECK(cudaMalloc(&b.beta, hb.size() * sizeof(float)));
+    LAB_CHECK(cudaMemcpy(b.g, hg.data(), hg.size() * sizeof(float), cudaMemcpyHostToDevice));
+    LAB_CHECK(cudaMemcpy(b.beta, hb.data(), hb.size() * sizeof(float), cudaMemcpyHostToDevice));
+    LAB_CHECK(cudaMalloc(&b.out, sizeof(float) * LAB_SV * LAB_H * nmax));
+    std::vector<float> hs((size_t) LAB_SV * LAB_SV * LAB_H);
+    for (float & x : hs) {
+        x = 0.1f * nd(rng);
+    }
+    for (int l = 0; l < LAB_LAYERS; l++) {
+        float *in, *out;
+        LAB_CHECK(cudaMalloc(&in, sbytes));
+        LAB_CHECK(cudaMalloc(&out, sbytes));
+        LAB_CHECK(cudaMemcpy(in, hs.data(), sbytes, cudaMemcpyHostToDevice));
+        b.s_in.push_back(in);
+        b.s_out.push_back(out);
+    }
+    cudaEvent_t e0, e1;
+    LAB_CHECK(cudaEventCreate(&e0));
+    LAB_CHECK(cudaEventCreate(&e1));
+    for (const int n : tokens) {
+        // the reference first: what the launcher runs by default (stock at one token, staged at more)
+        const std::vector<std::string> variants = n == 1 ? std::vector<std::string>{ "stock", "staged", "wide", "chunked" } :
+                                                           std::vector<std::string>{ "staged", "stock", "wide", "chunked" };
+        const size_t       nout = (size_t) LAB_SV * LAB_H * n;
+        std::vector<float> ref_out, ref_state;
+        for (const std::string & v : variants) {
+            launch(v, b, 0, n);  // the outputs of layer 0, against the reference's
+            LAB_CHECK(cudaDeviceSynchronize());
+            const std::vector<float> o = fetch(b.out, nout), s = fetch(b.s_out[0], hs.size());
+            if (ref_out.empty()) {
+                ref_out   = o;
+                ref_state = s;
+            }
+            for (int l = 0; l < 3 * LAB_LAYERS; l++) {  // warm up
+                launch(v, b, l % LAB_LAYERS, n);
+            }
+            LAB_CHECK(cudaEventRecord(e0));
+            for (int r = 0; r < repeats; r++) {
+                for (int l = 0; l < LAB_LAYERS; l++) {
+                    launch(v, b, l, n);
+                }
+            }
+            LAB_CHECK(cudaEventRecord(e1));
+            LAB_CHECK(cudaEventSynchronize(e1));
+            float ms = 0.0f;
+            LAB_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+            printf("{\"variant\": \"%s\", \"tokens\": %d, \"us\": %.3f, \"step_ms\": %.4f, \"out_rel\": %.3e, "
+                   "\"state_rel\": %.3e}\n",
+                   v.c_str(), n, 1000.0 * ms / (repeats * LAB_LAYERS), ms / repeats, rel_diff(o, ref_out),
+                   rel_diff(s, ref_state));
+            fflush(stdout);
+        }
+    }
+    return 0;
+}
