@@ -1,0 +1,239 @@
+#!/usr/bin/env python3
+"""Kernel labs: the patched tree's own kernels launched directly at the 27B's shapes, without building
+llama.cpp (the sdist unpacked, the patch series applied, one source file compiled into a small
+program with the launchers' host dependencies stubbed): ~1 min on a fresh GPU machine against ~5 for
+the side-by-side build, so a kernel change is timed in one short call. Writes JSON, prints a table.
+
+  gdn: bench/gpu/gdn_lab.cu, the Gated DeltaNet recurrence (stock, staged, MC_GDN_WIDE=1 "wide",
+       =2 "chunked"), a step's 48 launches for each token count, outputs against the default kernel's.
+  mmr: bench/gpu/mmr_lab.cu, the verify step's 2-tile repacked tensor-core product (mc_mmr_q4_0) on
+       the 27B's product groups, a step's 256 launches, under each --setting (environment variables
+       the kernel reads, e.g. MC_MMR_FORM=1), rounds in alternating order; each setting's output
+       checksums against the first setting's.
+
+usage (on the GPU machine; nvcc):
+  python3 bench/gpu/kernel_lab.py gdn --json OUT.json [--tokens 1,16] [--repeats 50]
+  python3 bench/gpu/kernel_lab.py mmr --json OUT.json [--columns 16] [--setting base=]
+      [--setting form1=MC_MMR_FORM=1] [--rounds 2] [--repeats 20]
+  common: [--sdist .device/llama_cpp_python-0.3.36.tar.gz | --src PATCHED/vendor/llama.cpp]"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+STUB = ROOT / "tests" / "ggml_patches" / "cuda_stub"  # cuBLAS names for a toolkit without cuBLAS
+LABS = {"gdn": "gdn_lab.cu", "mmr": "mmr_lab.cu"}
+
+
+def load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def parse(lines: list[str]) -> list[dict]:
+    return [json.loads(line) for line in (x.strip() for x in lines) if line.startswith("{")]
+
+
+def gdn_table(rows: list[dict]) -> str:
+    lines = [f"{'variant':<9}{'tokens':>7}{'us':>10}{'step ms':>9}{'out rel':>11}{'state rel':>11}"]
+    for r in rows:
+        lines.append(
+            f"{r['variant']:<9}{r['tokens']:>7}{r['us']:>10.2f}{r['step_ms']:>9.3f}"
+            f"{r['out_rel']:>11.2e}{r['state_rel']:>11.2e}"
+        )
+    return "\n".join(lines)
+
+
+def mmr_summary(runs: dict[str, list[list[dict]]]) -> dict[str, dict]:
+    """Each setting's step ms (mean, min, max over its runs), group us means and the largest relative
+    difference of its output checksums from the first setting's first run."""
+    first = next(iter(runs.values()))[0]
+    ref = {r["group"]: r for r in first if r["kind"] == "check"}
+    out: dict[str, dict] = {}
+    for name, rounds in runs.items():
+        steps = [r["step_ms"] for run in rounds for r in run if r["kind"] == "step"]
+        groups: dict[str, list[float]] = {}
+        worst = 0.0
+        for run in rounds:
+            for r in run:
+                if r["kind"] == "group":
+                    groups.setdefault(r["group"], []).append(r["us"])
+                elif r["kind"] == "check" and r["group"] in ref:
+                    for key in ("sum", "sumsq"):
+                        base = ref[r["group"]][key]
+                        worst = max(worst, abs(r[key] - base) / max(abs(base), 1e-30))
+        out[name] = {
+            "step_ms": {
+                "mean": sum(steps) / len(steps),
+                "min": min(steps),
+                "max": max(steps),
+                "n": len(steps),
+            }
+            if steps
+            else None,
+            "group_us": {g: sum(v) / len(v) for g, v in groups.items()},
+            "checksum_rel": worst,
+        }
+    return out
+
+
+def mmr_table(summary: dict[str, dict]) -> str:
+    lines = [f"{'setting':<14}{'step ms':>9}{'min':>9}{'max':>9}{'vs first':>10}{'checksum rel':>14}"]
+    base = None
+    for name, s in summary.items():
+        st = s["step_ms"]
+        if st is None:
+            lines.append(f"{name:<14}{'failed':>9}")
+            continue
+        base = base or st["mean"]
+        lines.append(
+            f"{name:<14}{st['mean']:>9.3f}{st['min']:>9.3f}{st['max']:>9.3f}"
+            f"{100 * (st['mean'] / base - 1):>+9.1f}%{s['checksum_rel']:>14.2e}"
+        )
+    return "\n".join(lines)
+
+
+def tokens_arg(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(not 1 <= v <= 64 for v in values):
+        raise SystemExit(f"--tokens {text!r}: expected a comma list of token counts, each 1..64")
+    return values
+
+
+def patched_tree(sdist: Path, work: Path) -> Path:
+    """The sdist unpacked under work with the patch series applied; its vendor/llama.cpp."""
+    build = load("mc_build_script", ROOT / "ggml-patches" / "build.py")
+    top = build.unpack(sdist, work)
+    build.apply_series(top)
+    return top / "vendor" / "llama.cpp"
+
+
+def compile_cmd(nvcc: str, tree: Path, lab: str, exe: Path, arch: str) -> list[str]:
+    cmd = [nvcc, "-std=c++17", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+    cuda_include = Path(shutil.which(nvcc) or nvcc).resolve().parent.parent / "include"
+    if not (cuda_include / "cublas_v2.h").exists():
+        cmd.append(f"-I{STUB}")
+    for sub in ("ggml/include", "ggml/src", "ggml/src/ggml-cuda"):
+        cmd.append(f"-I{tree / sub}")
+    return [*cmd, str(HERE / LABS[lab]), "-o", str(exe)]
+
+
+def run(args: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(
+            args,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=timeout,
+            env={**os.environ, **(env or {})},
+        )
+    except subprocess.TimeoutExpired as e:
+        raise SystemExit(f"{Path(args[0]).name} ran past --timeout {timeout} s") from e
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("lab", choices=sorted(LABS), help="which lab")
+    ap.add_argument("--json", required=True, help="where to write the results")
+    ap.add_argument("--repeats", type=int, default=0, help="timed steps a run (default: gdn 50, mmr 20)")
+    ap.add_argument("--tokens", default="1,16", help="gdn: token counts (comma list, each 1..64)")
+    ap.add_argument("--columns", type=int, default=16, help="mmr: columns of the product (9..16)")
+    ap.add_argument("--setting", action="append", default=[], help="mmr: NAME=VAR=VALUE[,VAR=VALUE...]")
+    ap.add_argument("--rounds", type=int, default=2, help="mmr: rounds over the settings")
+    ap.add_argument("--sdist", default=".device/llama_cpp_python-0.3.36.tar.gz", help="the pinned sdist")
+    ap.add_argument("--src", default="", help="an already patched vendor/llama.cpp (skips the sdist)")
+    ap.add_argument("--nvcc", default=os.environ.get("NVCC", "nvcc"))
+    ap.add_argument("--arch", default="90", help="CUDA arch to build for (90: H100 / H200)")
+    ap.add_argument("--commit", default="", help="the tree's git commit, recorded in the JSON")
+    ap.add_argument("--timeout", type=float, default=240, help="seconds a run of the program may take")
+    a = ap.parse_args()
+    repeats = a.repeats or (50 if a.lab == "gdn" else 20)
+    if repeats < 1:
+        raise SystemExit(f"--repeats {a.repeats}: must be at least 1")
+    if not a.arch.rstrip("a").isdigit():
+        raise SystemExit(f"--arch {a.arch!r}: expected a CUDA arch number such as 90 or 120")
+    tokens = tokens_arg(a.tokens) if a.lab == "gdn" else []
+    settings: dict[str, dict[str, str]] = {}
+    if a.lab == "mmr":
+        if not 9 <= a.columns <= 16:
+            raise SystemExit(f"--columns {a.columns}: the lab runs the two-tile form, 9..16 columns")
+        if a.rounds < 1:
+            raise SystemExit(f"--rounds {a.rounds}: must be at least 1")
+        warm = load("mc_warm_repeats", HERE / "warm_repeats.py")
+        for text in a.setting or ["default="]:
+            name, env = warm.parse_setting(text)
+            if name in settings:
+                raise SystemExit(f"--setting: names must differ, got {name!r} twice")
+            settings[name] = env
+    work = Path(tempfile.mkdtemp(prefix="kernel_lab"))
+    if a.src:
+        tree = Path(a.src)
+        if not (tree / "ggml" / "src" / "ggml-cuda" / "gated_delta_net.cu").exists():
+            raise SystemExit(f"--src {a.src}: no ggml/src/ggml-cuda/gated_delta_net.cu there")
+    else:
+        if not Path(a.sdist).exists():
+            hint = "python3 ggml-patches/build.py --pack-sdist ..."
+            raise SystemExit(f"--sdist {a.sdist}: no such file ({hint})")
+        tree = patched_tree(Path(a.sdist), work)
+    exe = work / a.lab
+    subprocess.run(compile_cmd(a.nvcc, tree, a.lab, exe, a.arch), check=True)
+    try:
+        query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+        gpu = subprocess.run(query, capture_output=True, text=True, check=False).stdout.strip()
+    except FileNotFoundError:
+        gpu = ""
+    out: dict = {
+        "lab": a.lab,
+        "gpu": gpu,
+        "date": datetime.date.today().isoformat(),
+        "commit": a.commit,
+        "command": " ".join(sys.argv),
+    }
+    errors = []
+    if a.lab == "gdn":
+        res = run([str(exe), str(repeats), *map(str, tokens)], a.timeout)
+        out["rows"] = parse(res.stdout.splitlines())
+        if res.returncode != 0:  # the rows before the failure are kept
+            errors.append(f"gdn_lab exited {res.returncode}: {res.stderr.strip()[-2000:]}")
+        text = gdn_table(out["rows"])
+    else:
+        runs: dict[str, list[list[dict]]] = {name: [] for name in settings}
+        names = list(settings)
+        for rnd in range(a.rounds):
+            for name in names if rnd % 2 == 0 else names[::-1]:
+                res = run([str(exe), str(repeats), str(a.columns)], a.timeout, settings[name])
+                runs[name].append(parse(res.stdout.splitlines()))
+                if res.returncode != 0:
+                    errors.append(f"mmr_lab ({name}) exited {res.returncode}: {res.stderr.strip()[-1000:]}")
+        out["settings"] = settings
+        out["runs"] = runs
+        out["summary"] = mmr_summary(runs)
+        text = mmr_table(out["summary"])
+    if errors:
+        out["error"] = "; ".join(errors)
+    Path(a.json).write_text(json.dumps(out, indent=1))
+    print(text)
+    if errors:
+        raise SystemExit(out["error"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+// MMR lab: the patched tree's repacked tensor-core product (mc-mmv.cu's mc_mmr_q4_0, the verify step's
+// 2..16-column kernel on the copies; the form MC_MMR_FORM picks, 3 = bulk copies on Hopper) launched
+// directly on the 27B's verify-step product groups, without building llama.cpp: the launcher's own
+// K-slice cost model (mc_mmq_kslices) and grid, random Q4_0 weights repacked by mc_mmr_repack (four
+// sets a shape, so the weights stream from memory as in a step), activations converted by
+// mc_mmr_convert_y. A step's 256 launches timed by events (no CUDA graph and no PDL: compare settings
+// with each other here, and the winners in the real step). Each group's output checksum is printed so
+// two settings' runs can be compared (bench/gpu/mmr_lab.py does). The settings the kernel reads from
+// the environment (MC_MMR_*) apply as in the library. Output: one JSON object a line.
+// Usage: mmr_lab REPEATS COLUMNS (COLUMNS 9..16)
+#include "mc-mmv.cu"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+// the launchers' host dependencies (libggml-base / ggml-cuda), never called by the lab (the log: a
+// setting's warning, printed)
+[[noreturn]] static void lab_unreachable(const char * name) {
+    fprintf(stderr, "mmr_lab: %s called\n", name);
+    exit(1);
+}
+void ggml_cuda_error(const char *, const char *, const char *, int, const char * msg) {
+    lab_unreachable(msg);
+}
+const ggml_cuda_device_info & ggml_cuda_info() {
+    lab_unreachable("ggml_cuda_info");
+}
+void ggml_cuda_set_device(int) {
+    lab_unreachable("ggml_cuda_set_device");
+}
+int ggml_cuda_get_device() {
+    lab_unreachable("ggml_cuda_get_device");
+}
+void quantize_row_q8_1_cuda(const float *, const int32_t *, void *, ggml_type, int64_t, int64_t, int64_t, int64_t,
+                            int64_t, int64_t, int64_t, int64_t, cudaStream_t) {
+    lab_unreachable("quantize_row_q8_1_cuda");
+}
+std::unique_ptr<ggml_cuda_pool> ggml_backend_cuda_context::new_pool_for_device(int, int) {
+    lab_unreachable("new_pool_for_device");
+}
+void ggml_abort(const char * file, int, const char *, ...) {
+    lab_unreachable(file);
+}
+bool ggml_are_same_stride(const struct ggml_tensor *, const struct ggml_tensor *) {
+    lab_unreachable("ggml_are_same_stride");
+}
+ggml_backend_buffer_type_t ggml_backend_buffer_get_type(ggml_backend_buffer_t) {
+    lab_unreachable("ggml_backend_buffer_get_type");
+}
+enum ggml_backend_buffer_usage ggml_backend_buffer_get_usage(ggml_backend_buffer_t) {
+    lab_unreachable("ggml_backend_buffer_get_usage");
+}
+ggml_backend_buffer_type_t ggml_backend_cuda_buffer_type(int) {
+    lab_unreachable("ggml_backend_cuda_buffer_type");
+}
+int ggml_graph_n_nodes(struct ggml_cgraph *) {
+    lab_unreachable("ggml_graph_n_nodes");
+}
+struct ggml_tensor * ggml_graph_node(struct ggml_cgraph *, int) {
+    lab_unreachable("ggml_graph_node");
+}
+bool ggml_is_empty(const struct ggml_tensor *) {
+    lab_unreachable("ggml_is_empty");
+}
+void ggml_log_internal(enum ggml_log_level, const char * format, ...) {  // e.g. a setting out of range
+    va_list args;
+    va_start(args, format);
+    vfprintf(stderr, format, args);
+    va_end(args);
+}
+size_t ggml_nbytes(const struct ggml_tensor *) {
+    lab_unreachable("ggml_nbytes");
+}
+int64_t ggml_nrows(const struct ggml_tensor *) {
+    lab_unreachable("ggml_nrows");
+}
+size_t ggml_row_size(enum ggml_type, int64_t) {
+    lab_unreachable("ggml_row_size");
+}
+size_t ggml_type_size(enum ggml_type) {
+    lab_unreachable("ggml_type_size");
+}
+
+#define LAB_CHECK(x)                                                                              \
+    do {                                                                                          \
+        cudaError_t e_ = (x);                                                                     \
+        if (e_ != cudaSuccess) {                                                                  \
+            fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));          \
+            exit(1);                                                                              \
+        }                                                                                         \
+    } while (0)
+
+static constexpr int LAB_SETS = 4;  // weight sets a group, cycled: each group's sets exceed the L2
+
+// random Q4_0 blocks: quants from a hash, scales small positive f16 (finite sums)
+static __global__ void lab_fill_q4_0(block_q4_0 * w, const int64_t nblocks, const uint32_t seed) {
+    const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= nblocks) {
+        return;
+    }
+    uint32_t h = (uint32_t) i * 2654435761u ^ seed;
+    w[i].d     = __float2half(0.001f + (float) (h % 1000) * 1e-5f);
+#pragma unroll
+    for (int j = 0; j < QK4_0 / 2; j++) {
+        h           = h * 1664525u + 1013904223u;
+        w[i].qs[j]  = (uint8_t) (h >> 24);
+    }
+}
+
+static __global__ void lab_fill_f32(float * x, const int64_t n, const uint32_t seed) {
+    const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        const uint32_t h = ((uint32_t) i * 2246822519u) ^ seed;
+        x[i]             = (float) (h % 2001) / 1000.0f - 1.0f;
+    }
+}
+
+struct lab_group {
+    std::vector<int> rows;
+    int              k;
+    int              launches;  // a verify step's launches of this group
+    const char *     name;
+};
+
+struct lab_set {
+    std::vector<char *>  copies;  // a product's repacked weights
+    std::vector<float *> dst;
+};
+
+int main(int argc, char ** argv) {
+    const int repeats = argc == 3 ? atoi(argv[1]) : 0;
+    const int ncols   = argc == 3 ? atoi(argv[2]) : 0;
+    if (repeats < 1 || ncols < 9 || ncols > 16) {
+        fprintf(stderr, "usage: mmr_lab REPEATS COLUMNS (REPEATS >= 1; COLUMNS 9..16: the two-tile form)\n");
+        return 2;
+    }
+    // the 27B's verify step (64 layers, every 4th full attention): its product groups
+    const std::vector<lab_group> plan = {
+        { { 10240, 6144, 48, 48 }, 5120, 48, "gdn_in" },
+        { { 12288, 1024, 1024 }, 5120, 16, "attn_in" },
+        { { 5120 }, 6144, 64, "out" },
+        { { 17408, 17408 }, 5120, 64, "ffn_gate_up" },
+        { { 5120 }, 17408, 64, "ffn_down" },
+    };
+    int dev = 0, nsm = 0;
+    LAB_CHECK(cudaGetDevice(&dev));
+    LAB_CHECK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, dev));
+    const int form = mc_env_int("MC_MMR_FORM", 1, 3, 3) == 1 ? 1 : 3;
+    cudaDeviceProp prop;
+    LAB_CHECK(cudaGetDeviceProperties(&prop, dev));
+    const bool bulk = form == 3 && prop.major >= 9;
+    const auto kernel = bulk ? mc_mmr_q4_0<2, 3, true> : mc_mmr_q4_0<2, 3, false>;
+    constexpr size_t smem = (size_t) 3 * MC_MMQ_WARPS * MC_MMR_ITEMS(2) * 512;
+    LAB_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+    int occupancy = 0;
+    LAB_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, kernel, MC_MMQ_THREADS, smem));
+    occupancy = std::max(1, occupancy);
+
+    // weights (four sets a group, repacked), activations (f16, the converter's order), outputs, partials
+    std::vector<std::vector<lab_set>> sets(plan.size());
+    std::vector<half *>               ys(plan.size());
+    size_t                            max_partials = 0;
+    char *                            scratch      = nullptr;
+    size_t                            scratch_size = 0;
+    for (size_t gi = 0; gi < plan.size(); gi++) {
+        const lab_group & g      = plan[gi];
+        const int         nquads = g.k / 128;
+        int               rows   = 0;
+        for (int r : g.rows) {
+            rows += r;
+        }
+        max_partials = std::max(max_partials, (size_t) 64 * 16 * rows);  // up to 64 K slices
+        for (int s = 0; s < LAB_SETS; s++) {
+            lab_set set;
+            for (size_t p = 0; p < g.rows.size(); p++) {
+                const int64_t nblocks = (int64_t) g.rows[p] * (g.k / QK4_0);
+                const size_t  bytes   = (size_t) nblocks * sizeof(block_q4_0);
+                if (bytes > scratch_size) {
+                    LAB_CHECK(cudaFree(scratch));
+                    LAB_CHECK(cudaMalloc(&scratch, bytes));
+                    scratch_size = bytes;
+                }
+                lab_fill_q4_0<<<(unsigned) ((nblocks + 255) / 256), 256>>>((block_q4_0 *) scratch, nblocks,
+                                                                          (uint32_t) (gi * 131 + s * 17 + p));
+                char * copy;
+                LAB_CHECK(cudaMalloc(&copy, bytes));
+                const int64_t npieces = (int64_t) g.rows[p] / 16 * nquads * 72;
+                mc_mmr_repack<<<(unsigned) ((npieces + 255) / 256), 256>>>(
+                    scratch, copy, (int64_t) (g.k / QK4_0) * sizeof(block_q4_0), nquads, npieces);
+                LAB_CHECK(cudaGetLastError());
+                float * d;
+                LAB_CHECK(cudaMalloc(&d, sizeof(float) * 16 * g.rows[p]));
+                set.copies.push_back(copy);
+                set.dst.push_back(d);
+            }
+            sets[gi].push_back(set);
+        }
+        float * x;
+        LAB_CHECK(cudaMalloc(&x, sizeof(float) * g.k * ncols));
+        lab_fill_f32<<<(unsigned) ((g.k * ncols + 255) / 256), 256>>>(x, (int64_t) g.k * ncols, (uint32_t) gi);
+        LAB_CHECK(cudaMalloc(&ys[gi], sizeof(half) * 16 * g.k));
+        const int nblocks = g.k / QK4_0;
+        mc_mmr_convert_y<<<(unsigned) ((nblocks * 16 * 4 + 255) / 256), 256>>>(x, ys[gi], nblocks, g.k, ncols, 16);
+        LAB_CHECK(cudaGetLastError());
+    }
+    float * partials;
+    LAB_CHECK(cudaMalloc(&partials, sizeof(float) * max_partials));
+    LAB_CHECK(cudaFree(scratch));
+    LAB_CHECK(cudaDeviceSynchronize());
+
+    unsigned int launches = 0;
+    auto         launch   = [&](const size_t gi, const int s) -> int {
+        const lab_group & g = plan[gi];
+        mc_mm_group       grp;
+        grp.n = (int) g.rows.size();
+        for (int p = 0; p < grp.n; p++) {
+            grp.vx[p]             = sets[gi][s].copies[p];
+            grp.dst[p]            = sets[gi][s].dst[p];
+            grp.nrows[p]          = g.rows[p];
+            grp.stride_col_dst[p] = g.rows[p];
+        }
+        const int ntiles  = mc_group_tiles(grp, MC_MMQ_ROWS);
+        const int nquads  = g.k / 128;
+        const int nchunks = nquads / 4;
+        const int ks      = mc_mmq_kslices(ntiles, nchunks, occupancy * nsm);
+        const int per     = (nchunks + ks - 1) / ks;
+        const int region  = (int) (launches++ % MC_MMQ_COUNTER_REGIONS);
+        kernel<<<dim3(ntiles, ks, 1), MC_MMQ_THREADS, smem>>>(grp, ys[gi], ks > 1 ? partials : nullptr, region,
+                                                              nullptr, ncols, nquads, per, mc_kernel_flags());
+        return ks;
+    };
+    // the first set's outputs: a checksum a group (sum and sum of squares over every product's outputs)
+    for (size_t gi = 0; gi < plan.size(); gi++) {
+        const int          ks = launch(gi, 0);
+        double             sum = 0.0, sq = 0.0;
+        LAB_CHECK(cudaDeviceSynchronize());
+        for (size_t p = 0; p < plan[gi].rows.size(); p++) {
+            std::vector<float> h((size_t) 16 * plan[gi].rows[p]);
+            LAB_CHECK(cudaMemcpy(h.data(), sets[gi][0].dst[p], h.size() * sizeof(float), cudaMemcpyDeviceToHost));
+            for (int c = 0; c < ncols; c++) {
+                for (int r = 0; r < plan[gi].rows[p]; r++) {
+                    const double v = h[(size_t) c * plan[gi].rows[p] + r];
+                    sum += v;
+                    sq += v * v;
+                }
+            }
+        }
+        printf("{\"kind\": \"check\", \"group\": \"%s\", \"k_slices\": %d, \"sum\": %.9e, \"sumsq\": %.9e}\n",
+               plan[gi].name, ks, sum, sq);
+    }
+    // a step: each group's launches, cycling through its weight sets
+    cudaEvent_t e0, e1;
+    LAB_CHECK(cudaEventCreate(&e0));
+    LAB_CHECK(cudaEventCreate(&e1));
+    for (int warm = 0; warm < 2; warm++) {
+        for (size_t gi = 0; gi < plan.size(); gi++) {
+            for (int l = 0; l < plan[gi].launches; l++) {
+                launch(gi, l % LAB_SETS);
+            }
+        }
+    }
+    std::vector<float> group_ms(plan.size(), 0.0f);
+    float              step_ms = 0.0f;
+    for (int r = 0; r < repeats; r++) {
+        for (size_t gi = 0; gi < plan.size(); gi++) {
+            LAB_CHECK(cudaEventRecord(e0));
+            for (int l = 0; l < plan[gi].launches; l++) {
+                launch(gi, l % LAB_SETS);
+            }
+            LAB_CHECK(cudaEventRecord(e1));
+            LAB_CHECK(cudaEventSynchronize(e1));
+            float ms = 0.0f;
+            LAB_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+            group_ms[gi] += ms;
+            step_ms += ms;
+        }
+    }
+    LAB_CHECK(cudaGetLastError());
+    for (size_t gi = 0; gi < plan.size(); gi++) {
+        printf("{\"kind\": \"group\", \"group\": \"%s\", \"launches\": %d, \"us\": %.3f}\n", plan[gi].name,
+               plan[gi].launches, 1000.0f * group_ms[gi] / (repeats * plan[gi].launches));
+    }
+    printf("{\"kind\": \"step\", \"columns\": %d, \"form\": %d, \"blocks_per_sm\": %d, \"step_ms\": %.4f}\n", ncols,
+           bulk ? 3 : 1, occupancy, step_ms / repeats);
+    return 0;
+}

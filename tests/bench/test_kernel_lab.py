@@ -1,0 +1,108 @@
+"""bench/gpu/kernel_lab.py: it applies the patch series to the pinned sdist and compiles the two labs
+(gdn_lab.cu, mmr_lab.cu) against that tree (the patched kernels included as they are, the launchers'
+host dependencies stubbed); each program refuses bad arguments with a clear message before touching a
+GPU; the mmr summary compares settings by step time and by output checksums against the first; the
+driver's argument errors are clear. The timings themselves need a GPU (bench/results, on the H200)."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+GPU = Path(__file__).resolve().parents[2] / "bench" / "gpu"
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("kernel_lab", GPU / "kernel_lab.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gdn_rows_and_table():
+    lab = load()
+    lines = [
+        "noise",
+        '{"variant": "staged", "tokens": 16, "us": 20.5, "step_ms": 0.984, "out_rel": 0, "state_rel": 0}',
+        '{"variant": "chunked", "tokens": 16, "us": 6.25, "step_ms": 0.3, "out_rel": 1e-6, "state_rel": 0}',
+    ]
+    rows = lab.parse(lines)
+    assert [r["variant"] for r in rows] == ["staged", "chunked"]
+    text = lab.gdn_table(rows)
+    assert "chunked" in text and "20.50" in text and "1.00e-06" in text
+
+
+def mmr_run(step: float, total: float, group_us: float = 10.0) -> list[dict]:
+    return [
+        {"kind": "check", "group": "out", "k_slices": 3, "sum": total, "sumsq": 4.0},
+        {"kind": "group", "group": "out", "launches": 64, "us": group_us},
+        {"kind": "step", "columns": 16, "form": 3, "blocks_per_sm": 2, "step_ms": step},
+    ]
+
+
+def test_the_mmr_summary_compares_settings_by_time_and_checksum():
+    lab = load()
+    runs = {
+        "base": [mmr_run(6.0, 2.0), mmr_run(6.2, 2.0)],
+        "x": [mmr_run(5.0, 2.0 * (1 + 1e-5), 8.0)],
+        "bad": [[]],
+    }
+    s = lab.mmr_summary(runs)
+    assert s["base"]["step_ms"] == {"mean": pytest.approx(6.1), "min": 6.0, "max": 6.2, "n": 2}
+    assert s["base"]["checksum_rel"] == 0.0
+    assert s["x"]["checksum_rel"] == pytest.approx(1e-5)
+    assert s["x"]["group_us"] == {"out": 8.0}
+    assert s["bad"]["step_ms"] is None
+    text = lab.mmr_table(s)
+    assert "-18.0%" in text and "failed" in text
+
+
+@pytest.fixture(scope="module")
+def patched_tree(build_script, tmp_path_factory):
+    return load().patched_tree(
+        build_script.fetch_sdist(build_script.cache_root()), tmp_path_factory.mktemp("src")
+    )
+
+
+@pytest.mark.parametrize(
+    ("lab", "bad"),
+    [
+        ("gdn", (([], "usage"), (["0", "16"], "usage"), (["3", "0"], "TOKENS 0"), (["3", "65"], "1..64"))),
+        ("mmr", (([], "usage"), (["3", "8"], "COLUMNS 9..16"), (["0", "16"], "usage"))),
+    ],
+)
+def test_each_lab_compiles_against_the_patched_tree(patched_tree, tmp_path, lab, bad):
+    nvcc = shutil.which("nvcc") or (
+        "/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None
+    )
+    if nvcc is None:
+        pytest.skip("no nvcc on this machine")
+    exe = tmp_path / lab
+    subprocess.run(load().compile_cmd(nvcc, patched_tree, lab, exe, "90"), check=True, capture_output=True)
+    for args, msg in bad:
+        res = subprocess.run([str(exe), *args], capture_output=True, text=True, check=False)
+        assert res.returncode == 2 and msg in res.stderr, (args, res.stderr)
+
+
+def test_bad_driver_arguments_are_clear_errors(monkeypatch, tmp_path):
+    lab = load()
+    for argv, msg in (
+        (["gdn", "--json", "x.json", "--tokens", "0"], "--tokens '0'"),
+        (["gdn", "--json", "x.json", "--tokens", "1,x"], "--tokens '1,x'"),
+        (["gdn", "--json", "x.json", "--repeats", "-1"], "--repeats -1"),
+        (["gdn", "--json", "x.json", "--arch", "9x"], "--arch '9x'"),
+        (["gdn", "--json", "x.json", "--src", str(tmp_path)], "no ggml/src/ggml-cuda/gated_delta_net.cu"),
+        (["gdn", "--json", "x.json", "--sdist", str(tmp_path / "none.tar.gz")], "no such file"),
+        (["mmr", "--json", "x.json", "--columns", "8"], "--columns 8"),
+        (["mmr", "--json", "x.json", "--rounds", "0"], "--rounds 0"),
+        (["mmr", "--json", "x.json", "--setting", "a=", "--setting", "a=X=1"], "'a' twice"),
+        (["mmr", "--json", "x.json", "--setting", "a=X"], "is not VAR=VALUE"),
+    ):
+        monkeypatch.setattr("sys.argv", ["kernel_lab.py", *argv])
+        with pytest.raises(SystemExit) as e:
+            lab.main()
+        assert msg in str(e.value)
