@@ -6,10 +6,11 @@ the side-by-side build, so a kernel change is timed in one short call. Writes JS
 
   gdn: bench/gpu/gdn_lab.cu, the Gated DeltaNet recurrence (stock, staged, MC_GDN_WIDE=1 "wide",
        =2 "chunked"), a step's 48 launches for each token count, outputs against the default kernel's.
-  mmr: bench/gpu/mmr_lab.cu, the verify step's 2-tile repacked tensor-core product (mc_mmr_q4_0) on
-       the 27B's product groups, a step's 256 launches, under each --setting (environment variables
-       the kernel reads, e.g. MC_MMR_FORM=1), rounds in alternating order; each setting's output
-       checksums against the first setting's.
+  mmr: bench/gpu/mmr_lab.cu, the Q4_0 products on the 27B's product groups, a step's 256 launches:
+       --columns 9..16 the verify step's 2-tile repacked tensor-core kernel (mc_mmr_q4_0), --columns 1
+       decode's dp4a kernel (mc_mmv_q4_0, the FFN's gate and up fused); under each --setting
+       (environment variables the kernels read, e.g. MC_MMR_FORM=1), rounds in alternating order; each
+       setting's output checksums against the first setting's.
 
 usage (on the GPU machine; nvcc):
   python3 bench/gpu/kernel_lab.py gdn --json OUT.json [--tokens 1,16] [--repeats 50]
@@ -155,7 +156,7 @@ def main() -> None:
     ap.add_argument("--json", required=True, help="where to write the results")
     ap.add_argument("--repeats", type=int, default=0, help="timed steps a run (default: gdn 50, mmr 20)")
     ap.add_argument("--tokens", default="1,16", help="gdn: token counts (comma list, each 1..64)")
-    ap.add_argument("--columns", type=int, default=16, help="mmr: columns of the product (9..16)")
+    ap.add_argument("--columns", type=int, default=16, help="mmr: columns of the product (1 or 9..16)")
     ap.add_argument("--setting", action="append", default=[], help="mmr: NAME=VAR=VALUE[,VAR=VALUE...]")
     ap.add_argument("--rounds", type=int, default=2, help="mmr: rounds over the settings")
     ap.add_argument("--sdist", default=".device/llama_cpp_python-0.3.36.tar.gz", help="the pinned sdist")
@@ -173,8 +174,8 @@ def main() -> None:
     tokens = tokens_arg(a.tokens) if a.lab == "gdn" else []
     settings: dict[str, dict[str, str]] = {}
     if a.lab == "mmr":
-        if not 9 <= a.columns <= 16:
-            raise SystemExit(f"--columns {a.columns}: the lab runs the two-tile form, 9..16 columns")
+        if a.columns != 1 and not 9 <= a.columns <= 16:
+            raise SystemExit(f"--columns {a.columns}: 1 (decode's kernel) or 9..16 (the verify step's)")
         if a.rounds < 1:
             raise SystemExit(f"--rounds {a.rounds}: must be at least 1")
         warm = load("mc_warm_repeats", HERE / "warm_repeats.py")

@@ -1,13 +1,15 @@
-// MMR lab: the patched tree's repacked tensor-core product (mc-mmv.cu's mc_mmr_q4_0, the verify step's
-// 2..16-column kernel on the copies; the form MC_MMR_FORM picks, 3 = bulk copies on Hopper) launched
-// directly on the 27B's verify-step product groups, without building llama.cpp: the launcher's own
-// K-slice cost model (mc_mmq_kslices) and grid, random Q4_0 weights repacked by mc_mmr_repack (four
-// sets a shape, so the weights stream from memory as in a step), activations converted by
-// mc_mmr_convert_y. A step's 256 launches timed by events (no CUDA graph and no PDL: compare settings
-// with each other here, and the winners in the real step). Each group's output checksum is printed so
-// two settings' runs can be compared (bench/gpu/mmr_lab.py does). The settings the kernel reads from
-// the environment (MC_MMR_*) apply as in the library. Output: one JSON object a line.
-// Usage: mmr_lab REPEATS COLUMNS (COLUMNS 9..16)
+// MMR lab: the patched tree's Q4_0 products (mc-mmv.cu) launched directly on the 27B's step product
+// groups, without building llama.cpp. COLUMNS 9..16 (a verify step): the repacked tensor-core kernel
+// mc_mmr_q4_0 in the form MC_MMR_FORM picks (3 = bulk copies on Hopper) with the launcher's own K-slice
+// cost model (mc_mmq_kslices), weights repacked by mc_mmr_repack, activations converted by
+// mc_mmr_convert_y. COLUMNS 1 (a decode step): the dp4a kernel mc_mmv_q4_0 through its own launcher
+// (mc_mmv_launch; the FFN's gate and up in one launch with the SwiGLU, as decode runs them) on q8_1
+// activations. Random weights in LAB_SETS sets a group, cycled, so they stream from memory as in a
+// step. A step's 256 launches timed by events (no CUDA graph and no PDL: compare settings with each
+// other here, and the winners in the real step). Each group's output checksum is printed so two
+// settings' runs can be compared (bench/gpu/kernel_lab.py mmr does). The settings the kernels read
+// from the environment (MC_MMR_*, MC_MMV_*) apply as in the library. Output: one JSON object a line.
+// Usage: mmr_lab REPEATS COLUMNS (COLUMNS 1 or 9..16)
 #include "mc-mmv.cu"
 
 #include <algorithm>
@@ -15,6 +17,7 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 // the launchers' host dependencies (libggml-base / ggml-cuda), never called by the lab (the log: a
@@ -94,7 +97,7 @@ size_t ggml_type_size(enum ggml_type) {
         }                                                                                         \
     } while (0)
 
-static constexpr int LAB_SETS = 4;  // weight sets a group, cycled: each group's sets exceed the L2
+static constexpr int LAB_SETS = 8;  // weight sets a group, cycled: each group's sets exceed the L2
 
 // random Q4_0 blocks: quants from a hash, scales small positive f16 (finite sums)
 static __global__ void lab_fill_q4_0(block_q4_0 * w, const int64_t nblocks, const uint32_t seed) {
@@ -119,6 +122,32 @@ static __global__ void lab_fill_f32(float * x, const int64_t n, const uint32_t s
     }
 }
 
+// one column of f32 activations to q8_1 (a warp a block of 32: d = max |x| / 127, s = d * sum of q)
+static __global__ void lab_quantize_q8_1(const float * x, block_q8_1 * y, const int nblocks) {
+    const int b    = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (b >= nblocks) {
+        return;
+    }
+    const float v   = x[b * QK8_1 + lane];
+    float       amax = fabsf(v);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+    }
+    const float d = amax / 127.0f;
+    const int   q = amax == 0.0f ? 0 : (int) roundf(v / d);
+    int         sum = q;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        sum += __shfl_xor_sync(0xffffffff, sum, o);
+    }
+    y[b].qs[lane] = (int8_t) q;
+    if (lane == 0) {
+        y[b].ds = make_half2(__float2half(d), __float2half(d * (float) sum));
+    }
+}
+
 struct lab_group {
     std::vector<int> rows;
     int              k;
@@ -127,23 +156,27 @@ struct lab_group {
 };
 
 struct lab_set {
-    std::vector<char *>  copies;  // a product's repacked weights
+    std::vector<char *>  copies;  // a product's weights (repacked for the tensor-core kernel)
     std::vector<float *> dst;
+    char *               gate = nullptr;  // decode's FFN: the gate's weights beside the up's
 };
 
 int main(int argc, char ** argv) {
     const int repeats = argc == 3 ? atoi(argv[1]) : 0;
     const int ncols   = argc == 3 ? atoi(argv[2]) : 0;
-    if (repeats < 1 || ncols < 9 || ncols > 16) {
-        fprintf(stderr, "usage: mmr_lab REPEATS COLUMNS (REPEATS >= 1; COLUMNS 9..16: the two-tile form)\n");
+    if (repeats < 1 || (ncols != 1 && (ncols < 9 || ncols > 16))) {
+        fprintf(stderr, "usage: mmr_lab REPEATS COLUMNS (REPEATS >= 1; COLUMNS 1: decode's dp4a kernel, "
+                        "9..16: the verify step's two-tile repacked form)\n");
         return 2;
     }
-    // the 27B's verify step (64 layers, every 4th full attention): its product groups
+    const bool decode = ncols == 1;
+    // the 27B's step (64 layers, every 4th full attention): its product groups; decode runs the FFN's
+    // gate and up as one launch of the gated kernel (one product here, its gate beside it)
     const std::vector<lab_group> plan = {
         { { 10240, 6144, 48, 48 }, 5120, 48, "gdn_in" },
         { { 12288, 1024, 1024 }, 5120, 16, "attn_in" },
         { { 5120 }, 6144, 64, "out" },
-        { { 17408, 17408 }, 5120, 64, "ffn_gate_up" },
+        { decode ? std::vector<int>{ 17408 } : std::vector<int>{ 17408, 17408 }, 5120, 64, "ffn_gate_up" },
         { { 5120 }, 17408, 64, "ffn_down" },
     };
     int dev = 0, nsm = 0;
@@ -163,6 +196,7 @@ int main(int argc, char ** argv) {
     // weights (four sets a group, repacked), activations (f16, the converter's order), outputs, partials
     std::vector<std::vector<lab_set>> sets(plan.size());
     std::vector<half *>               ys(plan.size());
+    std::vector<block_q8_1 *>         yq(plan.size());
     size_t                            max_partials = 0;
     char *                            scratch      = nullptr;
     size_t                            scratch_size = 0;
@@ -184,13 +218,22 @@ int main(int argc, char ** argv) {
                     LAB_CHECK(cudaMalloc(&scratch, bytes));
                     scratch_size = bytes;
                 }
-                lab_fill_q4_0<<<(unsigned) ((nblocks + 255) / 256), 256>>>((block_q4_0 *) scratch, nblocks,
-                                                                          (uint32_t) (gi * 131 + s * 17 + p));
                 char * copy;
                 LAB_CHECK(cudaMalloc(&copy, bytes));
-                const int64_t npieces = (int64_t) g.rows[p] / 16 * nquads * 72;
-                mc_mmr_repack<<<(unsigned) ((npieces + 255) / 256), 256>>>(
-                    scratch, copy, (int64_t) (g.k / QK4_0) * sizeof(block_q4_0), nquads, npieces);
+                const uint32_t seed = (uint32_t) (gi * 131 + s * 17 + p);
+                if (decode) {  // the original layout
+                    lab_fill_q4_0<<<(unsigned) ((nblocks + 255) / 256), 256>>>((block_q4_0 *) copy, nblocks, seed);
+                    if (std::string(g.name) == "ffn_gate_up") {
+                        LAB_CHECK(cudaMalloc(&set.gate, bytes));
+                        lab_fill_q4_0<<<(unsigned) ((nblocks + 255) / 256), 256>>>((block_q4_0 *) set.gate, nblocks,
+                                                                                  seed ^ 0x5bd1e995u);
+                    }
+                } else {
+                    lab_fill_q4_0<<<(unsigned) ((nblocks + 255) / 256), 256>>>((block_q4_0 *) scratch, nblocks, seed);
+                    const int64_t npieces = (int64_t) g.rows[p] / 16 * nquads * 72;
+                    mc_mmr_repack<<<(unsigned) ((npieces + 255) / 256), 256>>>(
+                        scratch, copy, (int64_t) (g.k / QK4_0) * sizeof(block_q4_0), nquads, npieces);
+                }
                 LAB_CHECK(cudaGetLastError());
                 float * d;
                 LAB_CHECK(cudaMalloc(&d, sizeof(float) * 16 * g.rows[p]));
@@ -202,9 +245,14 @@ int main(int argc, char ** argv) {
         float * x;
         LAB_CHECK(cudaMalloc(&x, sizeof(float) * g.k * ncols));
         lab_fill_f32<<<(unsigned) ((g.k * ncols + 255) / 256), 256>>>(x, (int64_t) g.k * ncols, (uint32_t) gi);
-        LAB_CHECK(cudaMalloc(&ys[gi], sizeof(half) * 16 * g.k));
         const int nblocks = g.k / QK4_0;
-        mc_mmr_convert_y<<<(unsigned) ((nblocks * 16 * 4 + 255) / 256), 256>>>(x, ys[gi], nblocks, g.k, ncols, 16);
+        if (decode) {
+            LAB_CHECK(cudaMalloc(&yq[gi], sizeof(block_q8_1) * nblocks));
+            lab_quantize_q8_1<<<(unsigned) ((nblocks + 7) / 8), 256>>>(x, yq[gi], nblocks);
+        } else {
+            LAB_CHECK(cudaMalloc(&ys[gi], sizeof(half) * 16 * g.k));
+            mc_mmr_convert_y<<<(unsigned) ((nblocks * 16 * 4 + 255) / 256), 256>>>(x, ys[gi], nblocks, g.k, ncols, 16);
+        }
         LAB_CHECK(cudaGetLastError());
     }
     float * partials;
@@ -222,6 +270,18 @@ int main(int argc, char ** argv) {
             grp.dst[p]            = sets[gi][s].dst[p];
             grp.nrows[p]          = g.rows[p];
             grp.stride_col_dst[p] = g.rows[p];
+        }
+        if (decode) {
+            const int     nblocks   = g.k / QK4_0;
+            const int64_t row_bytes = (int64_t) nblocks * sizeof(block_q4_0);
+            if (sets[gi][s].gate != nullptr) {
+                mc_mmv_launch<1, true>(grp, sets[gi][s].gate, yq[gi], nullptr, nullptr, GGML_GLU_OP_SWIGLU, 0.0f,
+                                       nblocks, row_bytes, nblocks, nullptr);
+            } else {
+                mc_mmv_launch<1, false>(grp, nullptr, yq[gi], nullptr, nullptr, 0, 0.0f, nblocks, row_bytes, nblocks,
+                                        nullptr);
+            }
+            return 1;
         }
         const int ntiles  = mc_group_tiles(grp, MC_MMQ_ROWS);
         const int nquads  = g.k / 128;
@@ -285,6 +345,6 @@ int main(int argc, char ** argv) {
                plan[gi].launches, 1000.0f * group_ms[gi] / (repeats * plan[gi].launches));
     }
     printf("{\"kind\": \"step\", \"columns\": %d, \"form\": %d, \"blocks_per_sm\": %d, \"step_ms\": %.4f}\n", ncols,
-           bulk ? 3 : 1, occupancy, step_ms / repeats);
+           decode ? 0 : (bulk ? 3 : 1), decode ? 0 : occupancy, step_ms / repeats);
     return 0;
 }
