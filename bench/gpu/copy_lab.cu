@@ -33,15 +33,9 @@
 #include <cstdlib>
 #include <vector>
 
+#include "lab_common.cuh"
+
 #define TILE 1152
-#define CHECK(x)                                                                                    \
-    do {                                                                                            \
-        cudaError_t e_ = (x);                                                                       \
-        if (e_ != cudaSuccess) {                                                                    \
-            fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));            \
-            exit(1);                                                                                \
-        }                                                                                           \
-    } while (0)
 
 static __device__ __forceinline__ uint32_t saddr(const void * p) {
     return (uint32_t) __cvta_generic_to_shared(p);
@@ -471,7 +465,7 @@ static void run_block(const job & j, int nsm, int bps, size_t smem, cudaStream_t
     cfg.stream               = s;
     cfg.attrs                = attr;
     cfg.numAttrs             = 1;
-    CHECK(cudaLaunchKernelEx(&cfg, k_block<STAGES, Y, false, MATH, CL>, jj));
+    LAB_CHECK(cudaLaunchKernelEx(&cfg, k_block<STAGES, Y, false, MATH, CL>, jj));
 }
 
 struct config {
@@ -494,15 +488,15 @@ template <typename F> static double time_us(F launch, int repeats, cudaStream_t 
     for (int i = 0; i < 3; ++i) {
         launch(i);
     }
-    CHECK(cudaEventRecord(e0, st));
+    LAB_CHECK(cudaEventRecord(e0, st));
     for (int i = 0; i < repeats; ++i) {
         launch(i + 3);
     }
-    CHECK(cudaEventRecord(e1, st));
-    CHECK(cudaEventSynchronize(e1));
-    CHECK(cudaGetLastError());
+    LAB_CHECK(cudaEventRecord(e1, st));
+    LAB_CHECK(cudaEventSynchronize(e1));
+    LAB_CHECK(cudaGetLastError());
     float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    LAB_CHECK(cudaEventElapsedTime(&ms, e0, e1));
     return 1000.0 * ms / repeats;
 }
 
@@ -543,28 +537,28 @@ int main(int argc, char ** argv) {
         return 2;
     }
     int dev = 0, nsm = 0, smem_sm = 0;
-    CHECK(cudaGetDevice(&dev));
-    CHECK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, dev));
-    CHECK(cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+    LAB_CHECK(cudaGetDevice(&dev));
+    LAB_CHECK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, dev));
+    LAB_CHECK(cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
     const size_t             arena  = (size_t) 3 << 30;  // launches walk through it: no L2 reuse
     char *                   w      = nullptr;
     char *                   y      = nullptr;
     unsigned *               sink   = nullptr;
-    CHECK(cudaMalloc(&w, arena));
+    LAB_CHECK(cudaMalloc(&w, arena));
     int max_quads = 0;
     for (const shape & sh : shapes) {
         max_quads = std::max(max_quads, sh.k / 128);
     }
-    CHECK(cudaMalloc(&y, (size_t) max_quads * 4096));
-    CHECK(cudaMalloc(&sink, 64));
+    LAB_CHECK(cudaMalloc(&y, (size_t) max_quads * 4096));
+    LAB_CHECK(cudaMalloc(&sink, 64));
     k_fill<<<1024, 256>>>((uint32_t *) w, (int64_t) (arena / 4));
     k_fill<<<64, 256>>>((uint32_t *) y, (int64_t) max_quads * 1024);
-    CHECK(cudaDeviceSynchronize());
+    LAB_CHECK(cudaDeviceSynchronize());
     cudaStream_t st;
-    CHECK(cudaStreamCreate(&st));
+    LAB_CHECK(cudaStreamCreate(&st));
     cudaEvent_t e0, e1;
-    CHECK(cudaEventCreate(&e0));
-    CHECK(cudaEventCreate(&e1));
+    LAB_CHECK(cudaEventCreate(&e0));
+    LAB_CHECK(cudaEventCreate(&e1));
 
     const size_t ws = 4 * TILE, wsy = 4 * TILE + 4096, sb = 16 * TILE, sby = 16 * TILE + 16384;
     const std::vector<config> configs = {
@@ -603,7 +597,7 @@ int main(int argc, char ** argv) {
             if (bps == 1 && cf.need <= (size_t) (smem_sm / 2 - 1024)) {
                 continue;  // one block an SM only where two do not fit
             }
-            CHECK(cudaFuncSetAttribute(cf.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+            LAB_CHECK(cudaFuncSetAttribute(cf.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
             for (const shape & sh : shapes) {
                 const size_t bytes  = (size_t) sh.rows * sh.k / 32 * 18;
                 const job    j      = { w, y, sh.k / 128, sh.rows / 64, 0, sink };

@@ -9,6 +9,8 @@
 // Usage: gdn_lab REPEATS TOKENS [TOKENS ...] (bench/gpu/gdn_lab.py compiles it against a patched tree;
 // the host functions the op's launcher names are stubs here that stop the program: none of them runs)
 #include "gated_delta_net.cu"
+#define LAB_GGML_STUBS
+#include "lab_common.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -19,28 +21,9 @@
 #include <string>
 #include <vector>
 
-// the launcher's host dependencies (libggml-base / ggml-cuda), never called by the lab
-[[noreturn]] static void lab_unreachable(const char * name) {
-    fprintf(stderr, "gdn_lab: %s called\n", name);
-    exit(1);
-}
-void ggml_cuda_error(const char *, const char *, const char *, int, const char * msg) {
-    lab_unreachable(msg);
-}
-const ggml_cuda_device_info & ggml_cuda_info() {
-    lab_unreachable("ggml_cuda_info");
-}
-void ggml_cuda_set_device(int) {
-    lab_unreachable("ggml_cuda_set_device");
-}
-int ggml_cuda_get_device() {
-    lab_unreachable("ggml_cuda_get_device");
-}
+// the rest of the launcher's host dependencies (the common ones in lab_common.cuh)
 int ggml_cuda_mc_env_int(const char * name, int, int, int) {
     lab_unreachable(name);
-}
-void ggml_abort(const char * file, int, const char *, ...) {
-    lab_unreachable(file);
 }
 int64_t ggml_nelements(const struct ggml_tensor *) {
     lab_unreachable("ggml_nelements");
@@ -51,18 +34,7 @@ bool ggml_is_contiguous(const struct ggml_tensor *) {
 bool ggml_is_contiguous_rows(const struct ggml_tensor *) {
     lab_unreachable("ggml_is_contiguous_rows");
 }
-bool ggml_are_same_stride(const struct ggml_tensor *, const struct ggml_tensor *) {
-    lab_unreachable("ggml_are_same_stride");
-}
 
-#define LAB_CHECK(x)                                                                              \
-    do {                                                                                          \
-        cudaError_t e_ = (x);                                                                     \
-        if (e_ != cudaSuccess) {                                                                  \
-            fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));          \
-            exit(1);                                                                              \
-        }                                                                                         \
-    } while (0)
 
 static constexpr int LAB_SV = 128, LAB_H = 48, LAB_HK = 16, LAB_LAYERS = 48;
 static constexpr int LAB_ROW = 2 * LAB_HK * LAB_SV + LAB_H * LAB_SV;  // q, k, v of a token: 10,240 floats
@@ -173,8 +145,9 @@ int main(int argc, char ** argv) {
     LAB_CHECK(cudaEventCreate(&e1));
     for (const int n : tokens) {
         // the reference first: what the launcher runs by default (stock at one token, staged at more)
-        const std::vector<std::string> variants = n == 1 ? std::vector<std::string>{ "stock", "staged", "wide", "chunked" } :
-                                                           std::vector<std::string>{ "staged", "stock", "wide", "chunked" };
+        using names = std::vector<std::string>;
+        const names variants = n == 1 ? names{ "stock", "staged", "wide", "chunked" } :
+                                        names{ "staged", "stock", "wide", "chunked" };
         const size_t       nout = (size_t) LAB_SV * LAB_H * n;
         std::vector<float> ref_out, ref_state;
         for (const std::string & v : variants) {

@@ -11,6 +11,8 @@
 // from the environment (MC_MMR_*, MC_MMV_*) apply as in the library. Output: one JSON object a line.
 // Usage: mmr_lab REPEATS COLUMNS (COLUMNS 1 or 9..16)
 #include "mc-mmv.cu"
+#define LAB_GGML_STUBS
+#include "lab_common.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -20,36 +22,14 @@
 #include <string>
 #include <vector>
 
-// the launchers' host dependencies (libggml-base / ggml-cuda), never called by the lab (the log: a
-// setting's warning, printed)
-[[noreturn]] static void lab_unreachable(const char * name) {
-    fprintf(stderr, "mmr_lab: %s called\n", name);
-    exit(1);
-}
-void ggml_cuda_error(const char *, const char *, const char *, int, const char * msg) {
-    lab_unreachable(msg);
-}
-const ggml_cuda_device_info & ggml_cuda_info() {
-    lab_unreachable("ggml_cuda_info");
-}
-void ggml_cuda_set_device(int) {
-    lab_unreachable("ggml_cuda_set_device");
-}
-int ggml_cuda_get_device() {
-    lab_unreachable("ggml_cuda_get_device");
-}
+// the rest of the launchers' host dependencies (the common ones in lab_common.cuh), never called by
+// the lab (the log: a setting's warning, printed)
 void quantize_row_q8_1_cuda(const float *, const int32_t *, void *, ggml_type, int64_t, int64_t, int64_t, int64_t,
                             int64_t, int64_t, int64_t, int64_t, cudaStream_t) {
     lab_unreachable("quantize_row_q8_1_cuda");
 }
 std::unique_ptr<ggml_cuda_pool> ggml_backend_cuda_context::new_pool_for_device(int, int) {
     lab_unreachable("new_pool_for_device");
-}
-void ggml_abort(const char * file, int, const char *, ...) {
-    lab_unreachable(file);
-}
-bool ggml_are_same_stride(const struct ggml_tensor *, const struct ggml_tensor *) {
-    lab_unreachable("ggml_are_same_stride");
 }
 ggml_backend_buffer_type_t ggml_backend_buffer_get_type(ggml_backend_buffer_t) {
     lab_unreachable("ggml_backend_buffer_get_type");
@@ -88,14 +68,6 @@ size_t ggml_type_size(enum ggml_type) {
     lab_unreachable("ggml_type_size");
 }
 
-#define LAB_CHECK(x)                                                                              \
-    do {                                                                                          \
-        cudaError_t e_ = (x);                                                                     \
-        if (e_ != cudaSuccess) {                                                                  \
-            fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));          \
-            exit(1);                                                                              \
-        }                                                                                         \
-    } while (0)
 
 static constexpr int LAB_SETS = 8;  // weight sets a group, cycled: each group's sets exceed the L2
 

@@ -1,0 +1,49 @@
+// Shared by the lab programs (copy_lab.cu, gdn_lab.cu, mmr_lab.cu): a CUDA call that fails stops the
+// program with its place and message; with LAB_GGML_STUBS (the labs that include a patched ggml-cuda
+// source file), the host functions of libggml-base / ggml-cuda that the included launchers name and
+// both labs need, as stubs that stop the program: the labs launch the kernels themselves, so none runs
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+#define LAB_CHECK(x)                                                                              \
+    do {                                                                                          \
+        cudaError_t e_ = (x);                                                                     \
+        if (e_ != cudaSuccess) {                                                                  \
+            fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));          \
+            exit(1);                                                                              \
+        }                                                                                         \
+    } while (0)
+
+#ifdef LAB_GGML_STUBS
+[[noreturn]] static void lab_unreachable(const char * name) {
+    fprintf(stderr, "lab: %s called (a launcher's host dependency; the lab should not reach it)\n", name);
+    exit(1);
+}
+
+void ggml_cuda_error(const char *, const char *, const char *, int, const char * msg) {
+    lab_unreachable(msg);
+}
+
+const ggml_cuda_device_info & ggml_cuda_info() {
+    lab_unreachable("ggml_cuda_info");
+}
+
+void ggml_cuda_set_device(int) {
+    lab_unreachable("ggml_cuda_set_device");
+}
+
+int ggml_cuda_get_device() {
+    lab_unreachable("ggml_cuda_get_device");
+}
+
+void ggml_abort(const char * file, int, const char *, ...) {
+    lab_unreachable(file);
+}
+
+bool ggml_are_same_stride(const struct ggml_tensor *, const struct ggml_tensor *) {
+    lab_unreachable("ggml_are_same_stride");
+}
+#endif
