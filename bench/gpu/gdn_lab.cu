@@ -95,14 +95,14 @@ static std::vector<float> fetch(const float * p, size_t n) {
 int main(int argc, char ** argv) {
     const int repeats = argc >= 3 ? atoi(argv[1]) : 0;
     if (repeats < 1) {
-        fprintf(stderr, "usage: gdn_lab REPEATS TOKENS [TOKENS ...] (REPEATS >= 1; TOKENS 1..64)\n");
+        fprintf(stderr, "usage: gdn_lab REPEATS TOKENS [TOKENS ...] (REPEATS >= 1; TOKENS 1..2048)\n");
         return 2;
     }
     std::vector<int> tokens;
     for (int i = 2; i < argc; i++) {
         const int n = atoi(argv[i]);
-        if (n < 1 || n > 64) {
-            fprintf(stderr, "TOKENS %s: expected 1..64\n", argv[i]);
+        if (n < 1 || n > 2048) {
+            fprintf(stderr, "TOKENS %s: expected 1..2048\n", argv[i]);
             return 2;
         }
         tokens.push_back(n);

@@ -113,8 +113,8 @@ def tokens_arg(text: str) -> list[int]:
         values = [int(x) for x in text.split(",")]
     except ValueError:
         values = []
-    if not values or any(not 1 <= v <= 64 for v in values):
-        raise SystemExit(f"--tokens {text!r}: expected a comma list of token counts, each 1..64")
+    if not values or any(not 1 <= v <= 2048 for v in values):
+        raise SystemExit(f"--tokens {text!r}: expected a comma list of token counts, each 1..2048")
     return values
 
 
@@ -155,7 +155,7 @@ def main() -> None:
     ap.add_argument("lab", choices=sorted(LABS), help="which lab")
     ap.add_argument("--json", required=True, help="where to write the results")
     ap.add_argument("--repeats", type=int, default=0, help="timed steps a run (default: gdn 50, mmr 20)")
-    ap.add_argument("--tokens", default="1,16", help="gdn: token counts (comma list, each 1..64)")
+    ap.add_argument("--tokens", default="1,16", help="gdn: token counts (each 1..2048; 512: a prompt ubatch)")
     ap.add_argument("--columns", type=int, default=16, help="mmr: columns of the product (1 or 9..16)")
     ap.add_argument("--setting", action="append", default=[], help="mmr: NAME=VAR=VALUE[,VAR=VALUE...]")
     ap.add_argument("--rounds", type=int, default=2, help="mmr: rounds over the settings")

@@ -68,7 +68,7 @@ def patched_tree(build_script, tmp_path_factory):
     )
 
 
-GDN_BAD = (([], "usage"), (["0", "16"], "usage"), (["3", "0"], "TOKENS 0"), (["3", "65"], "1..64"))
+GDN_BAD = (([], "usage"), (["0", "16"], "usage"), (["3", "0"], "TOKENS 0"), (["3", "2049"], "1..2048"))
 MMR_BAD = (([], "usage"), (["3", "8"], "COLUMNS 1: decode"), (["3", "17"], "9..16"), (["0", "1"], "usage"))
 
 
