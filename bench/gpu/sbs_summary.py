@@ -271,6 +271,9 @@ def main() -> None:
     if numa.exists():
         res["numa_probe"] = json.loads(numa.read_text())
         print(f"numa probe: {res['numa_probe']}")
+    for lab in sorted(st.glob("lab-*.json")):  # bench/gpu/kernel_lab.py (MC_SBS_LABS)
+        res.setdefault("kernel_labs", {})[lab.stem[len("lab-") :]] = json.loads(lab.read_text())
+        print(f"kernel lab {lab.stem}: see {lab.name}")
     sym = st / "stdcxx-symbols.txt"
     if sym.exists():
         res["libggml_cuda_std_symbols"] = int(sym.read_text().strip() or 0)

@@ -44,6 +44,8 @@
 # MC_SBS_VARIANT_MEASURE (what to measure for each: logits,tg,verify1,ops (test-backend-ops of the
 # MC_SBS_OPS list, or MC_SBS_VARIANT_OPS_<name>, under the setting); also verify12, batched;
 # MC_SBS_VARIANT_MEASURE_<name> for one; MC_SBS_VARIANT_STEP_CAP: the most seconds one of their steps runs),
+# MC_SBS_LABS (kernel labs on the patched tree right after the build: gdn, mmr1, mmr9..mmr16;
+# MC_SBS_LAB_TOKENS for gdn's token counts),
 # MC_SBS_MEASURE (logits,tg,verify1,verify12,batched), MC_SBS_ENGINE_NEED (seconds the engine part
 # must have left to start, default 240), MC_ENGINE_ARGS (for bench/gpu/engine_gpu.py,
 # default --tasks 12), MC_SBS_WEIGHTS (q4_0 or q8_0 random model), MC_SBS_BACKEND (cpu: the same
@@ -202,6 +204,20 @@ step() {  # name, minimum seconds needed, command...
   [ $rc = 0 ] && touch "$S/$name.done" || tail -5 "$S/$name.err"
 }
 [ "$BACKEND" = cuda ] && step bandwidth 60 python3 "$ROOT/bench/gpu/bandwidth.py"
+# the kernel labs first (MC_SBS_LABS, e.g. "gdn mmr16 mmr1"): the patched tree's kernels launched
+# directly (bench/gpu/kernel_lab.py), a minute or two, kept if a later step runs out of time
+if [ "$BACKEND" = cuda ] && [ -n "${MC_SBS_LABS:-}" ]; then
+  LABSRC=$(ls -d "$S"/src/*/ | head -1)vendor/llama.cpp
+  for lab in $MC_SBS_LABS; do
+    case $lab in
+      gdn) step lab-gdn 120 python3 "$ROOT/bench/gpu/kernel_lab.py" gdn --src "$LABSRC" --json "$S/lab-gdn.json" \
+             --tokens "${MC_SBS_LAB_TOKENS:-1,2,4,8,16,32,512}" ;;
+      mmr1 | mmr9 | mmr1[0-6]) step "lab-$lab" 150 python3 "$ROOT/bench/gpu/kernel_lab.py" mmr --src "$LABSRC" \
+             --json "$S/lab-$lab.json" --columns "${lab#mmr}" ;;
+      *) log "MC_SBS_LABS: $lab is not one of gdn, mmr1, mmr9 .. mmr16; skipped" ;;
+    esac
+  done
+fi
 # one GPU: llama.cpp would split the model over every visible GPU
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 want() { case "${2:-$MEASURE}" in *",$1,"*) return 0 ;; esac; return 1; }  # name [,list,]

@@ -82,8 +82,10 @@ def test_the_command_and_the_side_by_side_summary(tmp_path):
         timeout=60,
     )
     assert bad.returncode == 2 and "--kernel 'mc_(mmh' is not a regular expression" in bad.stderr
-    # sbs_summary.py puts it under the build's figures and prints the tensor-core kernels' loops
+    # sbs_summary.py puts it under the build's figures and prints the tensor-core kernels' loops; a
+    # kernel lab's JSON (side_by_side.sh's MC_SBS_LABS) goes under kernel_labs by its name
     (tmp_path / "bandwidth.out").write_text("")
+    (tmp_path / "lab-gdn.json").write_text(json.dumps({"lab": "gdn", "rows": []}))
     run = subprocess.run(
         [
             sys.executable,
@@ -99,4 +101,5 @@ def test_the_command_and_the_side_by_side_summary(tmp_path):
     assert run.returncode == 0, run.stderr
     res = json.loads((tmp_path / "r.json").read_text())
     assert res["builds"]["patched"]["sass"]["_Z11mc_mmh_q4_0ILi2EEvv"]["loop"]["instructions"] == 7
+    assert res["kernel_labs"] == {"gdn": {"lab": "gdn", "rows": []}}
     assert "sass patched: _Z11mc_mmh_q4_0ILi2E: loop 7 instructions (LOP3 2, BRA 2" in run.stdout
