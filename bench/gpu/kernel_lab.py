@@ -4,8 +4,9 @@ llama.cpp (the sdist unpacked, the patch series applied, one source file compile
 program with the launchers' host dependencies stubbed): ~1 min on a fresh GPU machine against ~5 for
 the side-by-side build, so a kernel change is timed in one short call. Writes JSON, prints a table.
 
-  gdn: bench/gpu/gdn_lab.cu, the Gated DeltaNet recurrence (stock, staged, MC_GDN_WIDE=1 "wide",
-       =2 "chunked"), a step's 48 launches for each token count, outputs against the default kernel's.
+  gdn: bench/gpu/gdn_lab.cu, the Gated DeltaNet recurrence (stock, staged, MC_GDN_WIDE's "wide"), a
+       step's 48 launches for each token count, outputs against the default kernel's and against the
+       recurrence in double on the host.
   mmr: bench/gpu/mmr_lab.cu, the Q4_0 products on the 27B's product groups, a step's 256 launches:
        --columns 9..16 the verify step's 2-tile repacked tensor-core kernel (mc_mmr_q4_0), --columns 1
        decode's dp4a kernel (mc_mmv_q4_0, the FFN's gate and up fused); under each --setting
@@ -46,15 +47,28 @@ def load(name: str, path: Path):
 
 
 def parse(lines: list[str]) -> list[dict]:
-    return [json.loads(line) for line in (x.strip() for x in lines) if line.startswith("{")]
+    rows = []
+    for line in (x.strip() for x in lines):
+        if line.startswith("{"):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"a lab printed a line that is not JSON ({e}): {line}") from None
+    return rows
+
+
+def rel(x) -> str:
+    """A relative difference for a table: None is the lab's mark for a value that is not finite."""
+    return f"{x:>11.2e}" if x is not None else f"{'NOT FINITE':>11}"
 
 
 def gdn_table(rows: list[dict]) -> str:
-    lines = [f"{'variant':<9}{'tokens':>7}{'us':>10}{'step ms':>9}{'out rel':>11}{'state rel':>11}"]
+    head = ("variant", "tokens", "us", "step ms", "out rel", "state rel", "host out", "host state")
+    lines = [f"{head[0]:<9}{head[1]:>7}{head[2]:>10}{head[3]:>9}" + "".join(f"{h:>11}" for h in head[4:])]
     for r in rows:
         lines.append(
             f"{r['variant']:<9}{r['tokens']:>7}{r['us']:>10.2f}{r['step_ms']:>9.3f}"
-            f"{r['out_rel']:>11.2e}{r['state_rel']:>11.2e}"
+            + "".join(rel(r.get(k)) for k in ("out_rel", "state_rel", "host_out_rel", "host_state_rel"))
         )
     return "\n".join(lines)
 

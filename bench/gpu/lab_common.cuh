@@ -1,7 +1,8 @@
 // Shared by the lab programs (copy_lab.cu, gdn_lab.cu, mmr_lab.cu): a CUDA call that fails stops the
 // program with its place and message; with LAB_GGML_STUBS (the labs that include a patched ggml-cuda
 // source file), the host functions of libggml-base / ggml-cuda that the included launchers name and
-// both labs need, as stubs that stop the program: the labs launch the kernels themselves, so none runs
+// both labs need, as stubs that stop the program (the labs launch the kernels themselves, so none runs),
+// except ggml_cuda_get_device, which the launch helper the launchers share calls
 #pragma once
 #include <cuda_runtime.h>
 
@@ -35,8 +36,11 @@ void ggml_cuda_set_device(int) {
     lab_unreachable("ggml_cuda_set_device");
 }
 
+// real: ggml_cuda_kernel_launch asks it (PDL) before every launch through the launchers the labs call
 int ggml_cuda_get_device() {
-    lab_unreachable("ggml_cuda_get_device");
+    int id = 0;
+    LAB_CHECK(cudaGetDevice(&id));
+    return id;
 }
 
 void ggml_abort(const char * file, int, const char *, ...) {

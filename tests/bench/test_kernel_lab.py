@@ -28,12 +28,21 @@ def test_gdn_rows_and_table():
     lines = [
         "noise",
         '{"variant": "staged", "tokens": 16, "us": 20.5, "step_ms": 0.984, "out_rel": 0, "state_rel": 0}',
-        '{"variant": "chunked", "tokens": 16, "us": 6.25, "step_ms": 0.3, "out_rel": 1e-6, "state_rel": 0}',
+        '{"variant": "chunked", "tokens": 16, "us": 6.25, "step_ms": 0.3, "out_rel": 1e-6, "state_rel": 0,'
+        ' "host_out_rel": 2e-7, "host_state_rel": null}',
     ]
     rows = lab.parse(lines)
     assert [r["variant"] for r in rows] == ["staged", "chunked"]
     text = lab.gdn_table(rows)
-    assert "chunked" in text and "20.50" in text and "1.00e-06" in text
+    assert "chunked" in text and "20.50" in text and "1.00e-06" in text and "2.00e-07" in text
+    # null: the lab's mark for a value that is not finite
+    assert text.splitlines()[2].endswith("NOT FINITE")
+
+
+def test_a_line_that_is_not_json_is_reported_with_the_line():
+    lab = load()
+    with pytest.raises(SystemExit, match=r"not JSON.*out_rel.: inf"):
+        lab.parse(['{"variant": "wide", "out_rel": inf}'])
 
 
 def mmr_run(step: float, total: float, group_us: float = 10.0) -> list[dict]:

@@ -1,11 +1,9 @@
-"""Patch 0022 (MC_GDN_WIDE): the Gated DeltaNet recurrence with a warp on 4 columns, 8 lanes a column
-and 16 rows a lane. =1: a NumPy emulation of the kernel's indexing (which lane holds which state rows,
-which lanes each token's two sums cross, where the staged chunk keeps v, which snapshot slot a token
-writes) must equal the recurrence computed row by row; a kernel reading another lane group's sums must
-not. =2: the chunked form, step by step as mc_gdn_chunked runs it (prefix sums of the log gates, the
-chunk's A and QK, the products with the chunk's first state, the substitution, the outputs, the state)
-must equal the recurrence over several chunks; QK without its diagonal must not. Checked on a GPU by
-test-backend-ops GATED_DELTA_NET / MC_GDN_LAYER under MC_GDN_WIDE=1 and =2."""
+"""Patch 0022 (MC_GDN_WIDE, the default at 2+ tokens): the Gated DeltaNet recurrence with a warp on 4
+columns, 8 lanes a column and 16 rows a lane. A NumPy emulation of the kernel's indexing (which lane
+holds which state rows, which lanes each token's two sums cross, where the staged chunk keeps v, which
+snapshot slot a token writes) must equal the recurrence computed row by row; a kernel reading another
+lane group's sums must not. Checked on a GPU by test-backend-ops GATED_DELTA_NET / MC_GDN_LAYER (the
+default) and by the GDN lab (bench/gpu/kernel_lab.py gdn: against the recurrence in double on the host)."""
 
 import numpy as np
 import pytest
@@ -115,40 +113,3 @@ def test_every_state_element_has_one_owner():
             for lane in range(32):
                 owners[b * WARPS * CPW + w * CPW + lane // LPC][lane_rows(lane % LPC)] += 1
     assert (owners == 1).all()
-
-
-def chunked(s0, q, k, v, g, beta, scale, qk_diagonal=True):
-    """mc_gdn_chunked for one head (every column at once; the kernel's lanes only split the rows of
-    the same sums): chunks of 16 tokens, state m[col][i] = S[i][col] carried between them."""
-    m = s0.astype(np.float64).copy()
-    n_tokens = q.shape[0]
-    out = np.zeros((n_tokens, S_V))
-    for t0 in range(0, n_tokens, CHUNK):
-        n = min(CHUNK, n_tokens - t0)
-        qc, kc, vc, bc = q[t0 : t0 + n], k[t0 : t0 + n], v[t0 : t0 + n], beta[t0 : t0 + n]
-        c = np.cumsum(g[t0 : t0 + n])  # sm_c
-        ratio = np.exp(c[:, None] - c[None, :])  # gamma_t / gamma_s
-        a = bc[:, None] * ratio * (kc @ kc.T) * np.tril(np.ones((n, n)), -1)  # sm_a
-        qk = ratio * (qc @ kc.T) * np.tril(np.ones((n, n)), 0 if qk_diagonal else -1)  # sm_qk
-        w, z = kc @ m.T, qc @ m.T  # [t][col]: S0^T k_t, S0^T q_t
-        u = np.zeros((n, S_V))
-        for t in range(n):
-            u[t] = bc[t] * (vc[t] - np.exp(c[t]) * w[t]) - a[t, :t] @ u[:t]
-        out[t0 : t0 + n] = scale * (np.exp(c)[:, None] * z + qk @ u)
-        m = np.exp(c[-1]) * m + (np.exp(c[-1] - c)[:, None] * u).T @ kc
-    return out, m
-
-
-@pytest.mark.parametrize("n", [2, 16, 17, 40])
-def test_the_chunked_form_computes_the_recurrence(n):
-    rng = np.random.default_rng(n + 100)
-    s0 = rng.standard_normal((S_V, S_V)) * 0.1
-    q, k = rng.standard_normal((n, S_V)) * 0.1, rng.standard_normal((n, S_V)) * 0.1
-    v, g, beta = rng.standard_normal((n, S_V)), -rng.random(n), rng.random(n)
-    scale = 1 / np.sqrt(S_V)
-    want_out, want_state, _ = reference(s0, q, k, v, g, beta, scale, 1)
-    out, state = chunked(s0, q, k, v, g, beta, scale)
-    np.testing.assert_allclose(out, want_out, rtol=1e-9, atol=1e-12)
-    np.testing.assert_allclose(state, want_state, rtol=1e-9, atol=1e-12)
-    bad, _ = chunked(s0, q, k, v, g, beta, scale, qk_diagonal=False)
-    assert not np.allclose(bad, want_out, rtol=1e-3, atol=1e-6)
