@@ -203,7 +203,7 @@ step() {  # name, minimum seconds needed, command...
   log "$name exit $rc in $((SECONDS - t0)) s"
   [ $rc = 0 ] && touch "$S/$name.done" || tail -5 "$S/$name.err"
 }
-[ "$BACKEND" = cuda ] && step bandwidth 60 python3 "$ROOT/bench/gpu/bandwidth.py"
+[ "$BACKEND" = cuda ] && step bandwidth 30 python3 "$ROOT/bench/gpu/bandwidth.py"
 # the kernel labs first (MC_SBS_LABS, e.g. "gdn mmr16 mmr1"): the patched tree's kernels launched
 # directly (bench/gpu/kernel_lab.py), a minute or two, kept if a later step runs out of time
 if [ "$BACKEND" = cuda ] && [ -n "${MC_SBS_LABS:-}" ]; then
@@ -234,7 +234,7 @@ for B in ${BUILDS//,/ }; do
     MCOBJ=$(find "$S/build" -name 'mc-mmv.cu.o' 2>/dev/null | head -1)
     [ -n "$MCOBJ" ] && command -v cuobjdump > /dev/null && step "$B-sass" 30 cuobjdump -sass "$MCOBJ"
     for op in ${OPS//,/ }; do
-      step "$B-ops-$op" 60 "$S/$B/test-backend-ops" test -b CUDA0 -o "$op"
+      step "$B-ops-$op" 30 "$S/$B/test-backend-ops" test -b CUDA0 -o "$op"
     done
   fi
   # the kernel-level figures (ncu) before the settings' variants: a call cut short keeps them
@@ -282,7 +282,7 @@ for B in ${BUILDS//,/ }; do
       vops=MC_SBS_VARIANT_OPS_$v  # one variant's own test-backend-ops list, e.g. MC_SBS_VARIANT_OPS_vg2=GATED_DELTA_NET
       vops=${!vops:-$OPS}
       [ "$BACKEND" = cuda ] && want ops "$vmeasure" && for op in ${vops//,/ }; do
-        step "$B-$v-ops-$op" 120 "$S/$B/test-backend-ops" test -b CUDA0 -o "$op"
+        step "$B-$v-ops-$op" 30 "$S/$B/test-backend-ops" test -b CUDA0 -o "$op"
       done
       for kv in ${settings//+/ }; do unset "${kv%%=*}"; done
     done
