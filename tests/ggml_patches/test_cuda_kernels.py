@@ -249,6 +249,44 @@ def test_the_patched_ggml_cuda_compiles(patched, tmp_path):
     assert "fused_state_cpy, mc_gdn_l2_for(node));" in main
 
 
+def test_the_norm_q8_fusion_is_wired(patched):
+    """Patch 0024 (MC_FUSE_NORM_Q8, off by default until measured on a GPU): the fused add + norm +
+    weight kernel also writes its one-row output's q8_1 blocks with quantize_q8_1's arithmetic, into
+    one of two context buffers allocated once (never moved: captured CUDA graphs keep the addresses)
+    and freed with the context; the mark is cleared before every graph evaluation's node loop and by
+    every fused norm that does not write one, so a product can only take the blocks of the exact tensor
+    the latest fused norm wrote; both one-column consumers (the Q4_0 kernels' runner and the Q6_K
+    output product) check it; the test-backend-ops cases are in the tree. (ggml-cuda.cu, norm.cu and
+    mc-mmv.cu compile in the tests above; test-backend-ops MC_NORM_Q8 runs on the GPU.)"""
+    cuda = patched / "ggml" / "src" / "ggml-cuda"
+    main = (cuda / "ggml-cuda.cu").read_text()
+    assert 'ggml_cuda_mc_env_int("MC_FUSE_NORM_Q8", 0, 1, 0)' in main
+    plan = main.index("ggml_cuda_mc_next_weights_plan(cgraph);")
+    clear = main.index("cuda_ctx->mc_q8_src = nullptr;", plan)
+    assert clear < main.index("ggml_cuda_try_fuse(cuda_ctx, cgraph, i)", clear)
+    assert "cuda_ctx->mc_q8_ok  = stream_ctx.concurrent_events.empty();" in main
+    target = main.index("static void * mc_norm_q8_target(")
+    body = main[target : main.index("\n}\n", target)]
+    # cleared first, marked last, and only for one row whose blocks fit the fixed buffers
+    assert body.index("ctx->mc_q8_src       = nullptr;") < body.index("ctx->mc_q8_src = mul;")
+    assert "ggml_nrows(mul) != 1" in body and "MC_NORM_Q8_BYTES" in body and "!ctx->mc_q8_ok" in body
+    assert "ggml_cuda_mc_add_rms_norm_mul(*ctx, add, norm, mul, mc_norm_q8_target(ctx, mul));" in main
+    dtor = main.index("ggml_backend_cuda_context::~ggml_backend_cuda_context()")
+    assert main.index("CUDA_CHECK(cudaFree(b));", dtor) < main.index("\n}\n", dtor)
+    norm = (cuda / "norm.cu").read_text()
+    assert "yb->qs[lane]     = amax == 0.0f ? 0 : roundf(xi / d);" in norm
+    assert "yb->ds = make_half2(d, s);" in norm
+    quant = (cuda / "quantize.cu").read_text()  # the arithmetic it copies
+    assert "const int8_t q = amax == 0.0f ? 0 : roundf(xi / d);" in quant
+    assert "y[ib].ds = make_half2(d, sum);" in quant
+    mmv = (cuda / "mc-mmv.cu").read_text()
+    assert mmv.count("ctx.mc_q8_src == src1 && ctx.mc_q8_cur != nullptr") == 2
+    assert "const bool pre_q8 = ncols == 1 && ctx.mc_q8_src == src1" in mmv
+    tests = (patched / "tests/test-backend-ops.cpp").read_text()
+    assert "struct test_mc_norm_q8 : public test_case" in tests
+    assert tests.count("test_cases.emplace_back(new test_mc_norm_q8(") == 3
+
+
 def test_the_dispatch_reaches_the_kernel(patched):
     """Both entry points route to ggml_cuda_mc_mmv: the mmvq path (1..8 columns, fused gate) and the
     general mul_mat path (up to 16 columns, before mul_mat_q); from MC_MMV_DEFAULT_MMA_MIN_COLS
