@@ -255,9 +255,10 @@ def test_the_norm_q8_fusion_is_wired(patched):
     one of two context buffers allocated once (never moved: captured CUDA graphs keep the addresses)
     and freed with the context; the mark is cleared before every graph evaluation's node loop and by
     every fused norm that does not write one, so a product can only take the blocks of the exact tensor
-    the latest fused norm wrote; both one-column consumers (the Q4_0 kernels' runner and the Q6_K
-    output product) check it; the test-backend-ops cases are in the tree. (ggml-cuda.cu, norm.cu and
-    mc-mmv.cu compile in the tests above; test-backend-ops MC_NORM_Q8 runs on the GPU.)"""
+    the latest fused norm wrote (one column: the add-norm's one row); both one-column consumers (the
+    Q4_0 kernels' runner and the Q6_K output product) check it; the test-backend-ops cases are in the
+    tree. (ggml-cuda.cu, norm.cu and mc-mmv.cu compile in the tests above; test-backend-ops MC_NORM_Q8
+    runs on the GPU.)"""
     cuda = patched / "ggml" / "src" / "ggml-cuda"
     main = (cuda / "ggml-cuda.cu").read_text()
     assert 'ggml_cuda_mc_env_int("MC_FUSE_NORM_Q8", 0, 1, 0)' in main
@@ -269,8 +270,9 @@ def test_the_norm_q8_fusion_is_wired(patched):
     body = main[target : main.index("\n}\n", target)]
     # cleared first, marked last, and only for one row whose blocks fit the fixed buffers
     assert body.index("ctx->mc_q8_src       = nullptr;") < body.index("ctx->mc_q8_src = mul;")
-    assert "ggml_nrows(mul) != 1" in body and "MC_NORM_Q8_BYTES" in body and "!ctx->mc_q8_ok" in body
-    assert "ggml_cuda_mc_add_rms_norm_mul(*ctx, add, norm, mul, mc_norm_q8_target(ctx, mul));" in main
+    assert "!one_column" in body and "MC_NORM_Q8_BYTES" in body and "!ctx->mc_q8_ok" in body
+    assert "ggml_is_contiguous(mul)" in body
+    assert "mul, mc_norm_q8_target(ctx, mul, ggml_nrows(mul) == 1));" in main
     dtor = main.index("ggml_backend_cuda_context::~ggml_backend_cuda_context()")
     assert main.index("CUDA_CHECK(cudaFree(b));", dtor) < main.index("\n}\n", dtor)
     norm = (cuda / "norm.cu").read_text()
@@ -280,11 +282,52 @@ def test_the_norm_q8_fusion_is_wired(patched):
     assert "const int8_t q = amax == 0.0f ? 0 : roundf(xi / d);" in quant
     assert "y[ib].ds = make_half2(d, sum);" in quant
     mmv = (cuda / "mc-mmv.cu").read_text()
-    assert mmv.count("ctx.mc_q8_src == src1 && ctx.mc_q8_cur != nullptr") == 2
-    assert "const bool pre_q8 = ncols == 1 && ctx.mc_q8_src == src1" in mmv
+    # both consumers (the Q4_0 runner at one column, the Q6_K output product) ask mc_q8_for: the marked
+    # tensor itself or a contiguous view of all of it (patch 0025's reshaped gated norm)
+    assert mmv.count("mc_q8_for(ctx, src1)") == 2
+    assert "const bool pre_q8 = ncols == 1 && mc_q8_for(ctx, src1);" in mmv
+    helper = mmv[mmv.index("static bool mc_q8_for(") :]
+    helper = helper[: helper.index("\n}\n")]
+    assert "src1->view_src == t && src1->data == t->data && ggml_is_contiguous(src1)" in helper
+    assert "ggml_nelements(src1) == ggml_nelements(t)" in helper
     tests = (patched / "tests/test-backend-ops.cpp").read_text()
     assert "struct test_mc_norm_q8 : public test_case" in tests
     assert tests.count("test_cases.emplace_back(new test_mc_norm_q8(") == 3
+
+
+def test_the_gated_norm_fusion_is_wired(patched):
+    """Patch 0025 (MC_FUSE_GATED_NORM, off by default until measured on a GPU): a Gated DeltaNet layer's
+    RMS_NORM -> MUL(weight), SILU(z), MUL in one kernel (rows of 128, a warp a row), matched before the
+    stock RMS_NORM fusions could take the norm, only when the norm, the weight product and the SiLU each
+    have one use and every tensor is f32 with rows the kernel can stride; its one-token output marked for
+    MC_FUSE_NORM_Q8 (the whole [128, heads, 1] is one column); the stock formulas (the sum order is
+    checked in test_gated_norm_order.py); test-backend-ops cases in the tree. (norm.cu and ggml-cuda.cu
+    compile in the tests above; test-backend-ops MC_GATED_NORM runs on the GPU.)"""
+    cuda = patched / "ggml" / "src" / "ggml-cuda"
+    main = (cuda / "ggml-cuda.cu").read_text()
+    assert 'ggml_cuda_mc_env_int("MC_FUSE_GATED_NORM", 0, 1, 0)' in main
+    try_fuse = main.index("static int ggml_cuda_try_fuse(")
+    gated = main.index("mc_try_gated_norm(cuda_ctx, cgraph, i)", try_fuse)
+    assert gated < main.index("GGML_OP_RMS_NORM, GGML_OP_MUL }, {})", try_fuse)
+    match = main[main.index("static int mc_try_gated_norm(") :]
+    match = match[: match.index("\n}\n")]
+    uses = [f"ggml_node_has_n_uses(cgraph, {n}, 1)" for n in ("i", "j1", "j2")]
+    for use in (*uses, "GGML_UNARY_OP_SILU", "ggml_cuda_mc_gated_norm_fits(x)"):
+        assert use in match, use
+    assert "mc_norm_q8_target(ctx, mul2, mul2->ne[2] * mul2->ne[3] == 1)" in match
+    norm = (cuda / "norm.cu").read_text()
+    kernel = norm[norm.index("static __global__ void mc_gated_norm_f32(") :]
+    kernel = kernel[: kernel.index("\n}\n")]
+    assert "const float tmp   = (part[0] + part[2]) + (part[1] + part[3]);" in kernel
+    assert "const float y = scale * xv[k] * wv[k];" in kernel
+    assert "xv[k]         = ggml_cuda_op_silu_single(zv[k]) * y;" in kernel
+    # the kernels it replaces: the cached norm's product and the fused SiLU-multiply
+    assert "dst[col] = scale * xv[k] * mv[k];" in norm
+    unary = (cuda / "unary.cu").read_text()
+    assert "op(ggml_cuda_cast<float>(x[j0])) * ggml_cuda_cast<float>(g[j1])" in unary
+    tests = (patched / "tests/test-backend-ops.cpp").read_text()
+    assert "struct test_mc_gated_norm : public test_case" in tests
+    assert tests.count("test_cases.emplace_back(new test_mc_gated_norm(") == 3
 
 
 def test_the_dispatch_reaches_the_kernel(patched):
