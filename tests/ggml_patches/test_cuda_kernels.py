@@ -249,6 +249,13 @@ def test_the_patched_ggml_cuda_compiles(patched, tmp_path):
     assert "fused_state_cpy, mc_gdn_l2_for(node));" in main
 
 
+def c_body(source: str, head: str) -> str:
+    """The text of the C++ function (or kernel) whose definition starts with head, up to its closing
+    brace at the start of a line."""
+    start = source.index(head)
+    return source[start : source.index("\n}\n", start)]
+
+
 def test_the_norm_q8_fusion_is_wired(patched):
     """Patch 0024 (MC_FUSE_NORM_Q8, off by default until measured on a GPU): the fused add + norm +
     weight kernel also writes its one-row output's q8_1 blocks with quantize_q8_1's arithmetic, into
@@ -261,13 +268,12 @@ def test_the_norm_q8_fusion_is_wired(patched):
     runs on the GPU.)"""
     cuda = patched / "ggml" / "src" / "ggml-cuda"
     main = (cuda / "ggml-cuda.cu").read_text()
-    assert 'ggml_cuda_mc_env_int("MC_FUSE_NORM_Q8", 0, 1, 0)' in main
+    assert 'ggml_cuda_mc_env_int("MC_FUSE_NORM_Q8", 0, 1, 0)' in main  # off until measured
     plan = main.index("ggml_cuda_mc_next_weights_plan(cgraph);")
     clear = main.index("cuda_ctx->mc_q8_src = nullptr;", plan)
     assert clear < main.index("ggml_cuda_try_fuse(cuda_ctx, cgraph, i)", clear)
     assert "cuda_ctx->mc_q8_ok  = stream_ctx.concurrent_events.empty();" in main
-    target = main.index("static void * mc_norm_q8_target(")
-    body = main[target : main.index("\n}\n", target)]
+    body = c_body(main, "static void * mc_norm_q8_target(")
     # cleared first, marked last, and only for one row whose blocks fit the fixed buffers
     assert body.index("ctx->mc_q8_src       = nullptr;") < body.index("ctx->mc_q8_src = mul;")
     assert "!one_column" in body and "MC_NORM_Q8_BYTES" in body and "!ctx->mc_q8_ok" in body
@@ -286,8 +292,7 @@ def test_the_norm_q8_fusion_is_wired(patched):
     # tensor itself or a contiguous view of all of it (patch 0025's reshaped gated norm)
     assert mmv.count("mc_q8_for(ctx, src1)") == 2
     assert "const bool pre_q8 = ncols == 1 && mc_q8_for(ctx, src1);" in mmv
-    helper = mmv[mmv.index("static bool mc_q8_for(") :]
-    helper = helper[: helper.index("\n}\n")]
+    helper = c_body(mmv, "static bool mc_q8_for(")
     assert "src1->view_src == t && src1->data == t->data && ggml_is_contiguous(src1)" in helper
     assert "ggml_nelements(src1) == ggml_nelements(t)" in helper
     tests = (patched / "tests/test-backend-ops.cpp").read_text()
@@ -309,15 +314,13 @@ def test_the_gated_norm_fusion_is_wired(patched):
     try_fuse = main.index("static int ggml_cuda_try_fuse(")
     gated = main.index("mc_try_gated_norm(cuda_ctx, cgraph, i)", try_fuse)
     assert gated < main.index("GGML_OP_RMS_NORM, GGML_OP_MUL }, {})", try_fuse)
-    match = main[main.index("static int mc_try_gated_norm(") :]
-    match = match[: match.index("\n}\n")]
+    match = c_body(main, "static int mc_try_gated_norm(")
     uses = [f"ggml_node_has_n_uses(cgraph, {n}, 1)" for n in ("i", "j1", "j2")]
     for use in (*uses, "GGML_UNARY_OP_SILU", "ggml_cuda_mc_gated_norm_fits(x)"):
         assert use in match, use
     assert "mc_norm_q8_target(ctx, mul2, mul2->ne[2] * mul2->ne[3] == 1)" in match
     norm = (cuda / "norm.cu").read_text()
-    kernel = norm[norm.index("static __global__ void mc_gated_norm_f32(") :]
-    kernel = kernel[: kernel.index("\n}\n")]
+    kernel = c_body(norm, "static __global__ void mc_gated_norm_f32(")
     assert "const float tmp   = (part[0] + part[2]) + (part[1] + part[3]);" in kernel
     assert "const float y = scale * xv[k] * wv[k];" in kernel
     assert "xv[k]         = ggml_cuda_op_silu_single(zv[k]) * y;" in kernel
