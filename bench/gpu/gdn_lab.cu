@@ -26,12 +26,6 @@
 int ggml_cuda_mc_env_int(const char * name, int, int, int) {
     lab_unreachable(name);
 }
-int64_t ggml_nelements(const struct ggml_tensor *) {
-    lab_unreachable("ggml_nelements");
-}
-bool ggml_is_contiguous(const struct ggml_tensor *) {
-    lab_unreachable("ggml_is_contiguous");
-}
 bool ggml_is_contiguous_rows(const struct ggml_tensor *) {
     lab_unreachable("ggml_is_contiguous_rows");
 }

@@ -6,6 +6,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
 
@@ -49,5 +50,29 @@ void ggml_abort(const char * file, int, const char *, ...) {
 
 bool ggml_are_same_stride(const struct ggml_tensor *, const struct ggml_tensor *) {
     lab_unreachable("ggml_are_same_stride");
+}
+
+int64_t ggml_nelements(const struct ggml_tensor *) {
+    lab_unreachable("ggml_nelements");
+}
+
+int64_t ggml_nrows(const struct ggml_tensor *) {
+    lab_unreachable("ggml_nrows");
+}
+
+bool ggml_is_contiguous(const struct ggml_tensor *) {
+    lab_unreachable("ggml_is_contiguous");
+}
+
+size_t ggml_type_size(enum ggml_type) {
+    lab_unreachable("ggml_type_size");
+}
+
+// a setting out of range is reported as the library would
+void ggml_log_internal(enum ggml_log_level, const char * format, ...) {
+    va_list args;
+    va_start(args, format);
+    vfprintf(stderr, format, args);
+    va_end(args);
 }
 #endif

@@ -49,23 +49,11 @@ struct ggml_tensor * ggml_graph_node(struct ggml_cgraph *, int) {
 bool ggml_is_empty(const struct ggml_tensor *) {
     lab_unreachable("ggml_is_empty");
 }
-void ggml_log_internal(enum ggml_log_level, const char * format, ...) {  // e.g. a setting out of range
-    va_list args;
-    va_start(args, format);
-    vfprintf(stderr, format, args);
-    va_end(args);
-}
 size_t ggml_nbytes(const struct ggml_tensor *) {
     lab_unreachable("ggml_nbytes");
 }
-int64_t ggml_nrows(const struct ggml_tensor *) {
-    lab_unreachable("ggml_nrows");
-}
 size_t ggml_row_size(enum ggml_type, int64_t) {
     lab_unreachable("ggml_row_size");
-}
-size_t ggml_type_size(enum ggml_type) {
-    lab_unreachable("ggml_type_size");
 }
 
 

@@ -34,26 +34,8 @@ size_t ggml_element_size(const struct ggml_tensor *) {
 enum ggml_unary_op ggml_get_unary_op(const struct ggml_tensor *) {
     lab_unreachable("ggml_get_unary_op");
 }
-bool ggml_is_contiguous(const struct ggml_tensor *) {
-    lab_unreachable("ggml_is_contiguous");
-}
 bool ggml_is_contiguous_1(const struct ggml_tensor *) {
     lab_unreachable("ggml_is_contiguous_1");
-}
-void ggml_log_internal(enum ggml_log_level, const char * format, ...) {
-    va_list args;
-    va_start(args, format);
-    vfprintf(stderr, format, args);
-    va_end(args);
-}
-int64_t ggml_nelements(const struct ggml_tensor *) {
-    lab_unreachable("ggml_nelements");
-}
-int64_t ggml_nrows(const struct ggml_tensor *) {
-    lab_unreachable("ggml_nrows");
-}
-size_t ggml_type_size(enum ggml_type) {
-    lab_unreachable("ggml_type_size");
 }
 
 static constexpr int   LAB_N = 5120, LAB_HEADS = 48, LAB_HD = 128, LAB_XS = 160;  // x rows 160 apart
@@ -64,6 +46,12 @@ static float * upload(const std::vector<float> & h) {
     LAB_CHECK(cudaMalloc(&d, h.size() * sizeof(float)));
     LAB_CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice));
     return d;
+}
+
+template <typename T> static T * dalloc(size_t bytes) {
+    void * d;
+    LAB_CHECK(cudaMalloc(&d, bytes));
+    return (T *) d;
 }
 
 template <typename T> static std::vector<T> fetch(const void * d, size_t n) {
@@ -122,15 +110,9 @@ int main(int argc, char ** argv) {
     // ---- add: ADD -> RMS_NORM -> MUL over one 5,120 row, then its q8_1 form ----
     {
         float *      a = upload(randn(LAB_N, 1.0f)), *b = upload(randn(LAB_N, 1.0f)), *w = upload(randn(LAB_N, 0.5f));
-        float *      sum0, *sum1, *y0, *y1;
-        block_q8_1 * q0, *q1;
         const size_t fb = LAB_N * sizeof(float), qb = LAB_N / QK8_1 * sizeof(block_q8_1);
-        LAB_CHECK(cudaMalloc(&sum0, fb));
-        LAB_CHECK(cudaMalloc(&sum1, fb));
-        LAB_CHECK(cudaMalloc(&y0, fb));
-        LAB_CHECK(cudaMalloc(&y1, fb));
-        LAB_CHECK(cudaMalloc(&q0, qb));
-        LAB_CHECK(cudaMalloc(&q1, qb));
+        float *      sum0 = dalloc<float>(fb), *sum1 = dalloc<float>(fb), *y0 = dalloc<float>(fb), *y1 = dalloc<float>(fb);
+        block_q8_1 * q0 = dalloc<block_q8_1>(qb), *q1 = dalloc<block_q8_1>(qb);
         const size_t smem    = 32 * sizeof(float);
         auto         two     = [&] {
             mc_add_rms_norm_mul_f32<1024><<<1, 1024, smem>>>(a, b, sum0, w, y0, LAB_N, LAB_EPS, nullptr);
@@ -153,14 +135,9 @@ int main(int argc, char ** argv) {
         const int    n  = LAB_HEADS * LAB_HD;
         float *      xs = upload(randn((size_t) LAB_HEADS * LAB_XS, 1.0f)), *z = upload(randn(n, 2.0f));
         float *      w  = upload(randn(LAB_HD, 0.5f));
-        float *      yn, *g0, *g1;
-        block_q8_1 * q0, *q1;
         const size_t fb = n * sizeof(float), qb = n / QK8_1 * sizeof(block_q8_1);
-        LAB_CHECK(cudaMalloc(&yn, fb));
-        LAB_CHECK(cudaMalloc(&g0, fb));
-        LAB_CHECK(cudaMalloc(&g1, fb));
-        LAB_CHECK(cudaMalloc(&q0, qb));
-        LAB_CHECK(cudaMalloc(&q1, qb));
+        float *      yn = dalloc<float>(fb), *g0 = dalloc<float>(fb), *g1 = dalloc<float>(fb);
+        block_q8_1 * q0 = dalloc<block_q8_1>(qb), *q1 = dalloc<block_q8_1>(qb);
         const uint3 one_packed = init_fastdiv_values(1);
         auto        three      = [&] {
             // the default path: the cached norm times w (norm.cu's launcher: 256 threads, 128 columns)
