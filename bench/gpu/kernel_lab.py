@@ -241,17 +241,19 @@ def main() -> None:
         "command": " ".join(sys.argv),
     }
     errors = []
+
+    def rows_of(args: list[str]) -> list[dict]:
+        """One run of the lab program: its JSON rows (those before a failure are kept)."""
+        res = run([str(exe), *args], a.timeout)
+        if res.returncode != 0:
+            errors.append(f"{a.lab}_lab exited {res.returncode}: {res.stderr.strip()[-2000:]}")
+        return parse(res.stdout.splitlines())
+
     if a.lab == "gdn":
-        res = run([str(exe), str(repeats), *map(str, tokens)], a.timeout)
-        out["rows"] = parse(res.stdout.splitlines())
-        if res.returncode != 0:  # the rows before the failure are kept
-            errors.append(f"gdn_lab exited {res.returncode}: {res.stderr.strip()[-2000:]}")
+        out["rows"] = rows_of([str(repeats), *map(str, tokens)])
         text = gdn_table(out["rows"])
     elif a.lab == "norm":
-        res = run([str(exe), str(repeats)], a.timeout)
-        out["rows"] = parse(res.stdout.splitlines())
-        if res.returncode != 0:
-            errors.append(f"norm_lab exited {res.returncode}: {res.stderr.strip()[-2000:]}")
+        out["rows"] = rows_of([str(repeats)])
         errors += [
             f"norm lab, {r['case']}: the fused kernel's outputs differ"
             for r in out["rows"]
