@@ -140,11 +140,6 @@ static void host_reference(const std::vector<float> & qkv, const std::vector<flo
     }
 }
 
-static std::vector<float> fetch(const float * p, size_t n) {
-    std::vector<float> h(n);
-    LAB_CHECK(cudaMemcpy(h.data(), p, n * sizeof(float), cudaMemcpyDeviceToHost));
-    return h;
-}
 
 int main(int argc, char ** argv) {
     const int repeats = argc >= 3 ? atoi(argv[1]) : 0;
@@ -207,7 +202,7 @@ int main(int argc, char ** argv) {
         for (const std::string & v : variants) {
             launch(v, b, 0, n);  // the outputs of layer 0, against the reference's
             LAB_CHECK(cudaDeviceSynchronize());
-            const std::vector<float> o = fetch(b.out, nout), s = fetch(b.s_out[0], hs.size());
+            const std::vector<float> o = lab_fetch<float>(b.out, nout), s = lab_fetch<float>(b.s_out[0], hs.size());
             if (ref_out.empty()) {
                 ref_out   = o;
                 ref_state = s;

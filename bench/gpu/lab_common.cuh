@@ -9,6 +9,7 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
+#include <vector>
 
 #define LAB_CHECK(x)                                                                              \
     do {                                                                                          \
@@ -18,6 +19,13 @@
             exit(1);                                                                              \
         }                                                                                         \
     } while (0)
+
+// n values of type T from device memory
+template <typename T> static std::vector<T> lab_fetch(const void * d, size_t n) {
+    std::vector<T> h(n);
+    LAB_CHECK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+}
 
 #ifdef LAB_GGML_STUBS
 [[noreturn]] static void lab_unreachable(const char * name) {

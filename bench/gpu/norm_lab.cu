@@ -54,11 +54,6 @@ template <typename T> static T * dalloc(size_t bytes) {
     return (T *) d;
 }
 
-template <typename T> static std::vector<T> fetch(const void * d, size_t n) {
-    std::vector<T> h(n);
-    LAB_CHECK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-}
 
 // quantize_q8_1 over one column of n values (its own launcher's grid)
 static void quantize(const float * x, block_q8_1 * y, const int n) {
@@ -68,7 +63,7 @@ static void quantize(const float * x, block_q8_1 * y, const int n) {
 
 // the byte-for-byte comparison of two device buffers
 static bool same(const void * a, const void * b, size_t bytes) {
-    const std::vector<char> ha = fetch<char>(a, bytes), hb = fetch<char>(b, bytes);
+    const std::vector<char> ha = lab_fetch<char>(a, bytes), hb = lab_fetch<char>(b, bytes);
     return memcmp(ha.data(), hb.data(), bytes) == 0;
 }
 
