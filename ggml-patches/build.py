@@ -88,6 +88,8 @@ class BuildTarget:
             ]
         else:
             args += [f"-DGGML_NATIVE={'OFF' if self.arch == 'portable' else 'ON'}"]
+            if self.arch != "portable" and NATIVE_CPU_FLAGS:
+                args += [f"-DCMAKE_C_FLAGS={NATIVE_CPU_FLAGS}", f"-DCMAKE_CXX_FLAGS={NATIVE_CPU_FLAGS}"]
         return args
 
 
@@ -150,11 +152,24 @@ def cache_root(explicit: str | None = None) -> Path:
     return Path(base)
 
 
+# Added to -march=native for CPU builds (one flag: CMAKE_ARGS is split at spaces). ggml's AMX
+# matrix path (compiled where the compiler defines __AMX_INT8__) died with SIGILL on `tilezero` in
+# its first Q4_K product on a Sapphire Rapids VM that reports AMX (CPUID, XCR0 and the arch_prctl
+# permission all say yes; 2026-12-01, the Gemma 3 270M tests); without it ggml takes its AVX-512
+# VNNI kernels. Part of the build key, so a wheel built before the flag is not reused.
+# x86 with gcc / clang only (MSVC and other architectures take no such flag).
+NATIVE_CPU_FLAGS = (
+    "-mno-amx-int8" if platform.machine().lower() in ("x86_64", "amd64") and os.name != "nt" else ""
+)
+
+
 def cpu_tag() -> str:
-    """Native builds use -march=native: key them on this CPU's model and flags."""
+    """Native builds use -march=native: key them on this CPU's model and flags (and the flags added
+    to -march=native)."""
     info = Path("/proc/cpuinfo")
     text = info.read_text() if info.exists() else f"model name {platform.processor()} {platform.machine()}"
     wanted = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features"))]
+    wanted.append(f"extra {NATIVE_CPU_FLAGS}")
     return "native-" + hashlib.sha256("\n".join(sorted(set(wanted))).encode()).hexdigest()[:8]
 
 

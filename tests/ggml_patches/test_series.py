@@ -68,6 +68,22 @@ def test_cache_key_and_cmake_args_per_backend(build_script):
     assert "-DGGML_NATIVE=OFF" in cpu.cmake_args()
     assert f"-DMC_PATCH_SERIES_HASH={h}" in cpu.cmake_args()
     assert cpu.key != cuda.key
+    assert not any("AMX" in a.upper() for a in cpu.cmake_args())  # portable: no -march=native
+
+
+def test_native_cpu_builds_leave_out_amx_and_key_on_it(build_script, monkeypatch):
+    """-march=native builds add NATIVE_CPU_FLAGS (x86: no AMX, whose tile kernels died with SIGILL
+    on a VM that reports AMX) to C and C++ alike, and the flags are part of the cache key."""
+    h = build_script.series_hash()
+    monkeypatch.setattr(build_script, "NATIVE_CPU_FLAGS", "-mno-amx-int8")
+    native = build_script.BuildTarget("cpu", build_script.cpu_tag(), h)
+    assert "-DGGML_NATIVE=ON" in native.cmake_args()
+    assert "-DCMAKE_C_FLAGS=-mno-amx-int8" in native.cmake_args()
+    assert "-DCMAKE_CXX_FLAGS=-mno-amx-int8" in native.cmake_args()
+    assert all(" " not in a for a in native.cmake_args())  # CMAKE_ARGS is split at spaces
+    monkeypatch.setattr(build_script, "NATIVE_CPU_FLAGS", "")
+    assert build_script.cpu_tag() != native.arch
+    assert not any("FLAGS" in a for a in build_script.BuildTarget("cpu", native.arch, h).cmake_args())
 
 
 def test_cuda_architectures_default_and_override(build_script, monkeypatch):
