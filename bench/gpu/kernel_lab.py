@@ -12,15 +12,11 @@ the side-by-side build, so a kernel change is timed in one short call. Writes JS
        decode's dp4a kernel (mc_mmv_q4_0, the FFN's gate and up fused); under each --setting
        (environment variables the kernels read, e.g. MC_MMR_FORM=1), rounds in alternating order; each
        setting's output checksums against the first setting's.
-  norm: bench/gpu/norm_lab.cu, patches 0024 / 0025 (MC_FUSE_NORM_Q8, MC_FUSE_GATED_NORM): the fused
-       norms writing their q8_1 form against the separate launches they replace, bit for bit, and
-       a step's launches of each timed (128 add norms, 48 gated norms).
 
 usage (on the GPU machine; nvcc):
   python3 bench/gpu/kernel_lab.py gdn --json OUT.json [--tokens 1,16] [--repeats 50]
   python3 bench/gpu/kernel_lab.py mmr --json OUT.json [--columns 16] [--setting base=]
       [--setting form1=MC_MMR_FORM=1] [--rounds 2] [--repeats 20]
-  python3 bench/gpu/kernel_lab.py norm --json OUT.json [--repeats 200]
   common: [--sdist .device/llama_cpp_python-0.3.36.tar.gz | --src PATCHED/vendor/llama.cpp]"""
 
 from __future__ import annotations
@@ -39,7 +35,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 STUB = ROOT / "tests" / "ggml_patches" / "cuda_stub"  # cuBLAS names for a toolkit without cuBLAS
-LABS = {"gdn": "gdn_lab.cu", "mmr": "mmr_lab.cu", "norm": "norm_lab.cu"}
+LABS = {"gdn": "gdn_lab.cu", "mmr": "mmr_lab.cu"}
 
 
 def load(name: str, path: Path):
@@ -126,18 +122,6 @@ def mmr_table(summary: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def norm_table(rows: list[dict]) -> str:
-    """The norm lab's cases: the separate launches against the fused kernel, and whether their
-    outputs are bit-identical (anything else is a failure the table says in words)."""
-    lines = [f"{'case':<7}{'launches':>9}{'separate ms':>13}{'fused ms':>10}{'saved':>8}  outputs"]
-    for r in rows:
-        saved = 1 - r["fused_ms"] / r["separate_ms"] if r["separate_ms"] > 0 else 0.0
-        same = "bit-identical" if r["bit_identical"] else "DIFFER (a bug in the fused kernel)"
-        times = f"{r['separate_ms']:>13.4f}{r['fused_ms']:>10.4f}{saved:>8.1%}"
-        lines.append(f"{r['case']:<7}{r['launches']:>9}{times}  {same}")
-    return "\n".join(lines)
-
-
 def tokens_arg(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",")]
@@ -184,9 +168,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("lab", choices=sorted(LABS), help="which lab")
     ap.add_argument("--json", required=True, help="where to write the results")
-    ap.add_argument(
-        "--repeats", type=int, default=0, help="timed steps a run (default: gdn 50, mmr 20, norm 200)"
-    )
+    ap.add_argument("--repeats", type=int, default=0, help="timed steps a run (default: gdn 50, mmr 20)")
     ap.add_argument("--tokens", default="1,16", help="gdn: token counts (each 1..2048; 512: a prompt ubatch)")
     ap.add_argument("--columns", type=int, default=16, help="mmr: columns of the product (1 or 9..16)")
     ap.add_argument("--setting", action="append", default=[], help="mmr: NAME=VAR=VALUE[,VAR=VALUE...]")
@@ -198,7 +180,7 @@ def main() -> None:
     ap.add_argument("--commit", default="", help="the tree's git commit, recorded in the JSON")
     ap.add_argument("--timeout", type=float, default=240, help="seconds a run of the program may take")
     a = ap.parse_args()
-    repeats = a.repeats or {"gdn": 50, "mmr": 20, "norm": 200}[a.lab]
+    repeats = a.repeats or {"gdn": 50, "mmr": 20}[a.lab]
     if repeats < 1:
         raise SystemExit(f"--repeats {a.repeats}: must be at least 1")
     if not a.arch.rstrip("a").isdigit():
@@ -252,14 +234,6 @@ def main() -> None:
     if a.lab == "gdn":
         out["rows"] = rows_of([str(repeats), *map(str, tokens)])
         text = gdn_table(out["rows"])
-    elif a.lab == "norm":
-        out["rows"] = rows_of([str(repeats)])
-        errors += [
-            f"norm lab, {r['case']}: the fused kernel's outputs differ"
-            for r in out["rows"]
-            if not r["bit_identical"]
-        ]
-        text = norm_table(out["rows"])
     else:
         runs: dict[str, list[list[dict]]] = {name: [] for name in settings}
         names = list(settings)

@@ -44,7 +44,7 @@
 # MC_SBS_VARIANT_MEASURE (what to measure for each: logits,tg,verify1,ops (test-backend-ops of the
 # MC_SBS_OPS list, or MC_SBS_VARIANT_OPS_<name>, under the setting); also verify12, batched;
 # MC_SBS_VARIANT_MEASURE_<name> for one; MC_SBS_VARIANT_STEP_CAP: the most seconds one of their steps runs),
-# MC_SBS_LABS (kernel labs on the patched tree right after the build: gdn, norm, mmr1, mmr9..mmr16;
+# MC_SBS_LABS (kernel labs on the patched tree right after the build: gdn, mmr1, mmr9..mmr16;
 # MC_SBS_LAB_TOKENS for gdn's token counts),
 # MC_SBS_MEASURE (logits,tg,verify1,verify12,batched), MC_SBS_ENGINE_NEED (seconds the engine part
 # must have left to start, default 240), MC_ENGINE_ARGS (for bench/gpu/engine_gpu.py,
@@ -65,7 +65,7 @@ MODEL=${MC_BENCH_MODEL:-$S/random-27b-$WEIGHTS.gguf}
 BUILDS=${MC_SBS_BUILDS:-stock,patched}
 PROFILE=${MC_SBS_PROFILE:-}
 MC_SBS_PROFILE_K=${MC_SBS_PROFILE_K:-1}
-OPS=${MC_SBS_OPS:-MUL_MAT,MUL_MAT_VEC_FUSION,MC_MUL_MAT_GROUP,GATED_DELTA_NET,GATED_DELTA_NET_CACHE_FUSION,MC_GDN_LAYER,SSM_CONV,RMS_NORM,RMS_NORM_MUL_ADD,MC_ADD_RMS_NORM_MUL,MC_NORM_Q8,MC_GATED_NORM,CONCAT}
+OPS=${MC_SBS_OPS:-MUL_MAT,MUL_MAT_VEC_FUSION,MC_MUL_MAT_GROUP,GATED_DELTA_NET,GATED_DELTA_NET_CACHE_FUSION,MC_GDN_LAYER,SSM_CONV,RMS_NORM,RMS_NORM_MUL_ADD,MC_ADD_RMS_NORM_MUL,CONCAT}
 MEASURE=,${MC_SBS_MEASURE:-logits,tg,verify1,verify12,batched},  # which measurements per build
 ENGINE_ARGS=${MC_ENGINE_ARGS:---tasks 12}
 mkdir -p "$S" "$OUT"
@@ -214,8 +214,7 @@ if [ "$BACKEND" = cuda ] && [ -n "${MC_SBS_LABS:-}" ]; then
              --tokens "${MC_SBS_LAB_TOKENS:-1,2,4,8,16,32,512}" ;;
       mmr1 | mmr9 | mmr1[0-6]) step "lab-$lab" 150 python3 "$ROOT/bench/gpu/kernel_lab.py" mmr --src "$LABSRC" \
              --json "$S/lab-$lab.json" --columns "${lab#mmr}" ;;
-      norm) step lab-norm 90 python3 "$ROOT/bench/gpu/kernel_lab.py" norm --src "$LABSRC" --json "$S/lab-norm.json" ;;
-      *) log "MC_SBS_LABS: $lab is not one of gdn, norm, mmr1, mmr9 .. mmr16; skipped" ;;
+      *) log "MC_SBS_LABS: $lab is not one of gdn, mmr1, mmr9 .. mmr16; skipped" ;;
     esac
   done
 fi
