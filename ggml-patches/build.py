@@ -86,6 +86,8 @@ class BuildTarget:
                 f"-DCMAKE_CUDA_ARCHITECTURES={self.arch}",
                 "-DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL",
             ]
+            if NATIVE_CPU_FLAGS:
+                args += [f"-DCMAKE_C_FLAGS={NATIVE_CPU_FLAGS}", f"-DCMAKE_CXX_FLAGS={NATIVE_CPU_FLAGS}"]
         else:
             args += [f"-DGGML_NATIVE={'OFF' if self.arch == 'portable' else 'ON'}"]
             if self.arch != "portable" and NATIVE_CPU_FLAGS:
@@ -155,8 +157,10 @@ def cache_root(explicit: str | None = None) -> Path:
 # Added to -march=native for CPU builds (one flag: CMAKE_ARGS is split at spaces). ggml's AMX
 # matrix path (compiled where the compiler defines __AMX_INT8__) died with SIGILL on `tilezero` in
 # its first Q4_K product on a Sapphire Rapids VM that reports AMX (CPUID, XCR0 and the arch_prctl
-# permission all say yes; 2026-12-01, the Gemma 3 270M tests); without it ggml takes its AVX-512
-# VNNI kernels. Part of the build key, so a wheel built before the flag is not reused.
+# permission all say yes; 2026-12-01, the Gemma 3 270M tests; llama.cpp issues 28756 and 28328
+# report the same class of failure on other hosts); without it ggml takes its AVX-512 VNNI kernels.
+# Part of the CPU build key, so a wheel built before the flag is not reused. CUDA builds (also
+# -march=native for their CPU backend, which runs whatever is not offloaded) get it too.
 # x86 with gcc / clang only (MSVC and other architectures take no such flag).
 NATIVE_CPU_FLAGS = (
     "-mno-amx-int8" if platform.machine().lower() in ("x86_64", "amd64") and os.name != "nt" else ""

@@ -81,6 +81,7 @@ def test_native_cpu_builds_leave_out_amx_and_key_on_it(build_script, monkeypatch
     assert "-DCMAKE_C_FLAGS=-mno-amx-int8" in native.cmake_args()
     assert "-DCMAKE_CXX_FLAGS=-mno-amx-int8" in native.cmake_args()
     assert all(" " not in a for a in native.cmake_args())  # CMAKE_ARGS is split at spaces
+    assert "-DCMAKE_CXX_FLAGS=-mno-amx-int8" in build_script.BuildTarget("cuda", "90", h).cmake_args()
     monkeypatch.setattr(build_script, "NATIVE_CPU_FLAGS", "")
     assert build_script.cpu_tag() != native.arch
     assert not any("FLAGS" in a for a in build_script.BuildTarget("cpu", native.arch, h).cmake_args())
