@@ -46,6 +46,7 @@
 # MC_SBS_VARIANT_MEASURE_<name> for one; MC_SBS_VARIANT_STEP_CAP: the most seconds one of their steps runs),
 # MC_SBS_LABS (kernel labs on the patched tree right after the build: gdn, mmr1, mmr9..mmr16;
 # MC_SBS_LAB_TOKENS for gdn's token counts),
+# MC_SBS_COMMIT (the git commit to record, default this tree's HEAD),
 # MC_SBS_MEASURE (logits,tg,verify1,verify12,batched), MC_SBS_ENGINE_NEED (seconds the engine part
 # must have left to start, default 240), MC_ENGINE_ARGS (for bench/gpu/engine_gpu.py,
 # default --tasks 12), MC_SBS_WEIGHTS (q4_0 or q8_0 random model), MC_SBS_BACKEND (cpu: the same
@@ -91,10 +92,13 @@ ship() {  # three files: the device tool brings back only a few
   return 0
 }
 trap ship EXIT
-log "=== call start in $ROOT (commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null)), deadline ${DEADLINE}s"
+# the commit recorded: MC_SBS_COMMIT where the caller knows it better than this copy's git (a tree
+# sent to another machine can carry a stale .git: the H200 runs read an older HEAD several times)
+COMMIT=${MC_SBS_COMMIT:-$(git -C "$ROOT" rev-parse HEAD 2>/dev/null)}
+log "=== call start in $ROOT (commit ${COMMIT:0:10}), deadline ${DEADLINE}s"
 
 if [ ! -f "$S/env.txt" ]; then
-  { date -u +%FT%TZ; echo "commit $(git -C "$ROOT" rev-parse HEAD 2>/dev/null)";
+  { date -u +%FT%TZ; echo "commit $COMMIT";
     git -C "$ROOT" status --short 2>/dev/null | head -20;
     nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total,clocks.max.sm --format=csv;
     nvcc --version | tail -2; cmake --version | head -1; echo "ninja $(ninja --version)"; g++ --version | head -1;
