@@ -12,11 +12,16 @@ the side-by-side build, so a kernel change is timed in one short call. Writes JS
        decode's dp4a kernel (mc_mmv_q4_0, the FFN's gate and up fused); under each --setting
        (environment variables the kernels read, e.g. MC_MMR_FORM=1), rounds in alternating order; each
        setting's output checksums against the first setting's.
+  wg: bench/gpu/wg_lab.cu, a standalone prototype (not in the patch series) of the 16-column product on
+       sm_90a's asynchronous warpgroup MMAs, on the same product groups, checked against a host
+       reference (which of the descriptor's two stride fields is which, tried both ways), for --wg 1
+       and 2 warpgroups a CTA; compiled for 90a whatever --arch says.
 
 usage (on the GPU machine; nvcc):
   python3 bench/gpu/kernel_lab.py gdn --json OUT.json [--tokens 1,16] [--repeats 50]
   python3 bench/gpu/kernel_lab.py mmr --json OUT.json [--columns 16] [--setting base=]
       [--setting form1=MC_MMR_FORM=1] [--rounds 2] [--repeats 20]
+  python3 bench/gpu/kernel_lab.py wg --json OUT.json [--wg 1,2] [--repeats 20]
   common: [--sdist .device/llama_cpp_python-0.3.36.tar.gz | --src PATCHED/vendor/llama.cpp]"""
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 STUB = ROOT / "tests" / "ggml_patches" / "cuda_stub"  # cuBLAS names for a toolkit without cuBLAS
-LABS = {"gdn": "gdn_lab.cu", "mmr": "mmr_lab.cu"}
+LABS = {"gdn": "gdn_lab.cu", "mmr": "mmr_lab.cu", "wg": "wg_lab.cu"}
 
 
 def load(name: str, path: Path):
@@ -122,6 +127,32 @@ def mmr_table(summary: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def wg_table(rows: list[dict]) -> str:
+    """The wg lab's runs: the layout it settled on, each group's check and speed, the step."""
+    lines = []
+    for r in rows:
+        if r["kind"] == "layout":
+            lines.append(f"layout lbo {r['lbo']} sbo {r['sbo']}: max rel {r['max_rel']:.2e}")
+        elif r["kind"] == "check":
+            ok = "ok" if r["ok"] else "DIFFERS from the host reference"
+            where = f"k slices {r['k_slices']}  ctas {r['ctas']:>5}"
+            lines.append(f"{r['group']:<12} {where}  max rel {r['max_rel']:.2e} {ok}")
+        elif r["kind"] == "group":
+            lines.append(
+                f"{r['group']:<12} {r['launches']:>3} launches  {r['us']:>9.2f} us  {r['tb_s']:.2f} TB/s"
+            )
+        elif r["kind"] == "step":
+            lines.append(f"step (wg {r['wg']}, {r['ctas_per_sm']} CTAs an SM): {r['step_ms']:.3f} ms")
+    return "\n".join(lines)
+
+
+def wg_arg(text: str) -> list[int]:
+    values = text.split(",")
+    if not values or any(v not in ("1", "2") for v in values):
+        raise SystemExit(f"--wg {text!r}: expected a comma list of 1 and / or 2 (warpgroups a CTA)")
+    return [int(v) for v in values]
+
+
 def tokens_arg(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",")]
@@ -168,11 +199,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("lab", choices=sorted(LABS), help="which lab")
     ap.add_argument("--json", required=True, help="where to write the results")
-    ap.add_argument("--repeats", type=int, default=0, help="timed steps a run (default: gdn 50, mmr 20)")
+    ap.add_argument(
+        "--repeats", type=int, default=0, help="timed steps a run (default: gdn 50, mmr 20, wg 20)"
+    )
     ap.add_argument("--tokens", default="1,16", help="gdn: token counts (each 1..2048; 512: a prompt ubatch)")
     ap.add_argument("--columns", type=int, default=16, help="mmr: columns of the product (1 or 9..16)")
     ap.add_argument("--setting", action="append", default=[], help="mmr: NAME=VAR=VALUE[,VAR=VALUE...]")
     ap.add_argument("--rounds", type=int, default=2, help="mmr: rounds over the settings")
+    ap.add_argument("--wg", default="1,2", help="wg: warpgroups a CTA to run, a comma list of 1 and 2")
     ap.add_argument("--sdist", default=".device/llama_cpp_python-0.3.36.tar.gz", help="the pinned sdist")
     ap.add_argument("--src", default="", help="an already patched vendor/llama.cpp (skips the sdist)")
     ap.add_argument("--nvcc", default=os.environ.get("NVCC", "nvcc"))
@@ -180,12 +214,14 @@ def main() -> None:
     ap.add_argument("--commit", default="", help="the tree's git commit, recorded in the JSON")
     ap.add_argument("--timeout", type=float, default=240, help="seconds a run of the program may take")
     a = ap.parse_args()
-    repeats = a.repeats or {"gdn": 50, "mmr": 20}[a.lab]
+    repeats = a.repeats or {"gdn": 50, "mmr": 20, "wg": 20}[a.lab]
     if repeats < 1:
         raise SystemExit(f"--repeats {a.repeats}: must be at least 1")
     if not a.arch.rstrip("a").isdigit():
         raise SystemExit(f"--arch {a.arch!r}: expected a CUDA arch number such as 90 or 120")
     tokens = tokens_arg(a.tokens) if a.lab == "gdn" else []
+    wgs = wg_arg(a.wg) if a.lab == "wg" else []
+    arch = "90a" if a.lab == "wg" else a.arch  # wgmma exists on sm_90a only
     settings: dict[str, dict[str, str]] = {}
     if a.lab == "mmr":
         if a.columns != 1 and not 9 <= a.columns <= 16:
@@ -209,7 +245,7 @@ def main() -> None:
             raise SystemExit(f"--sdist {a.sdist}: no such file ({hint})")
         tree = patched_tree(Path(a.sdist), work)
     exe = work / a.lab
-    subprocess.run(compile_cmd(a.nvcc, tree, a.lab, exe, a.arch), check=True)
+    subprocess.run(compile_cmd(a.nvcc, tree, a.lab, exe, arch), check=True)
     try:
         query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
         gpu = subprocess.run(query, capture_output=True, text=True, check=False).stdout.strip()
@@ -234,6 +270,9 @@ def main() -> None:
     if a.lab == "gdn":
         out["rows"] = rows_of([str(repeats), *map(str, tokens)])
         text = gdn_table(out["rows"])
+    elif a.lab == "wg":
+        out["runs"] = {str(n): rows_of([str(repeats), str(n)]) for n in wgs}
+        text = "\n".join(f"-- wg {n}\n{wg_table(rows)}" for n, rows in out["runs"].items())
     else:
         runs: dict[str, list[list[dict]]] = {name: [] for name in settings}
         names = list(settings)

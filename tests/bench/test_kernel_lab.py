@@ -1,8 +1,9 @@
-"""bench/gpu/kernel_lab.py: it applies the patch series to the pinned sdist and compiles the two labs
-(gdn_lab.cu, mmr_lab.cu) against that tree (the patched kernels included as they are, the launchers'
-host dependencies stubbed); each program refuses bad arguments with a clear message before touching a
-GPU; the mmr summary compares settings by step time and by output checksums against the first; the
-driver's argument errors are clear. The timings themselves need a GPU (bench/results, on the H200)."""
+"""bench/gpu/kernel_lab.py: it applies the patch series to the pinned sdist and compiles the labs
+(gdn_lab.cu and mmr_lab.cu against that tree, the patched kernels included as they are, the launchers'
+host dependencies stubbed; wg_lab.cu standalone, for sm_90a); each program refuses bad arguments with
+a clear message before touching a GPU; the mmr summary compares settings by step time and by output
+checksums against the first; the driver's argument errors are clear. The timings themselves need a
+GPU (bench/results, on the H200)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,24 @@ def test_a_line_that_is_not_json_is_reported_with_the_line():
         lab.parse(['{"variant": "wide", "out_rel": inf}'])
 
 
+def test_the_wg_table_names_the_layout_the_checks_and_the_step():
+    lab = load()
+    rows = lab.parse(
+        [
+            '{"kind": "layout", "lbo": 128, "sbo": 256, "max_rel": 3.1e-01}',
+            '{"kind": "layout", "lbo": 256, "sbo": 128, "max_rel": 2.0e-04}',
+            '{"kind": "check", "group": "out", "k_slices": 3, "ctas": 240, "max_rel": 2.0e-04, "ok": true}',
+            '{"kind": "check", "group": "down", "k_slices": 4, "ctas": 320, "max_rel": 5e-01, "ok": false}',
+            '{"kind": "group", "group": "out", "launches": 64, "us": 9.5, "tb_s": 1.86}',
+            '{"kind": "step", "columns": 16, "wg": 1, "ctas_per_sm": 4, "step_ms": 6.25}',
+        ]
+    )
+    text = lab.wg_table(rows).splitlines()
+    assert text[1] == "layout lbo 256 sbo 128: max rel 2.00e-04"
+    assert text[2].endswith(" ok") and "DIFFERS" in text[3]
+    assert "1.86 TB/s" in text[4] and text[5] == "step (wg 1, 4 CTAs an SM): 6.250 ms"
+
+
 def mmr_run(step: float, total: float, group_us: float = 10.0) -> list[dict]:
     return [
         {"kind": "check", "group": "out", "k_slices": 3, "sum": total, "sumsq": 4.0},
@@ -79,9 +98,10 @@ def patched_tree(build_script, tmp_path_factory):
 
 GDN_BAD = (([], "usage"), (["0", "16"], "usage"), (["3", "0"], "TOKENS 0"), (["3", "2049"], "1..2048"))
 MMR_BAD = (([], "usage"), (["3", "8"], "COLUMNS 1: decode"), (["3", "17"], "9..16"), (["0", "1"], "usage"))
+WG_BAD = (([], "usage"), (["0"], "usage"), (["3", "4"], "WG 1 or 2"), (["3", "1", "x"], "usage"))
 
 
-@pytest.mark.parametrize(("lab", "bad"), [("gdn", GDN_BAD), ("mmr", MMR_BAD)])
+@pytest.mark.parametrize(("lab", "bad"), [("gdn", GDN_BAD), ("mmr", MMR_BAD), ("wg", WG_BAD)])
 def test_each_lab_compiles_against_the_patched_tree(patched_tree, tmp_path, lab, bad):
     nvcc = shutil.which("nvcc") or (
         "/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None
@@ -89,7 +109,8 @@ def test_each_lab_compiles_against_the_patched_tree(patched_tree, tmp_path, lab,
     if nvcc is None:
         pytest.skip("no nvcc on this machine")
     exe = tmp_path / lab
-    subprocess.run(load().compile_cmd(nvcc, patched_tree, lab, exe, "90"), check=True, capture_output=True)
+    arch = "90a" if lab == "wg" else "90"  # wgmma: sm_90a only
+    subprocess.run(load().compile_cmd(nvcc, patched_tree, lab, exe, arch), check=True, capture_output=True)
     for args, msg in bad:
         res = subprocess.run([str(exe), *args], capture_output=True, text=True, check=False)
         assert res.returncode == 2 and msg in res.stderr, (args, res.stderr)
@@ -108,6 +129,7 @@ def test_bad_driver_arguments_are_clear_errors(monkeypatch, tmp_path):
         (["mmr", "--json", "x.json", "--rounds", "0"], "--rounds 0"),
         (["mmr", "--json", "x.json", "--setting", "a=", "--setting", "a=X=1"], "'a' twice"),
         (["mmr", "--json", "x.json", "--setting", "a=X"], "is not VAR=VALUE"),
+        (["wg", "--json", "x.json", "--wg", "1,3"], "--wg '1,3'"),
     ):
         monkeypatch.setattr("sys.argv", ["kernel_lab.py", *argv])
         with pytest.raises(SystemExit) as e:

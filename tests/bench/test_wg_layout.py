@@ -1,0 +1,125 @@
+"""bench/gpu/wg_lab.cu's index arithmetic, emulated in NumPy: the weights' repacking, the activations'
+core-matrix layout, the byte selectors and nibble expansion of the A fragments, and the MMA as the PTX
+ISA documents its operands (A: the m16k16 fragment of each warp; B: core matrices of 8 x 16 bytes
+addressed by the descriptor's K-direction (leading) and N-direction (stride) byte offsets; D: rows
+g / g + 8, columns 2t, 2t + 1 of each 8) must give W x for one 64-row tile over several blocks. What
+only the GPU can tell (that the hardware reads the operands this way) the lab checks against a host
+reference on the H200; this test keeps the arithmetic the lab relies on honest."""
+
+from __future__ import annotations
+
+import numpy as np
+
+TILE_ROWS, TILE_BYTES, B_BYTES, COLS = 64, 1152, 1024, 16
+LBO, SBO = 128, 256  # the lab's first choice: K-direction core stride, N-direction core stride
+
+
+def phys_k(kk: int) -> int:
+    t, h, e = (kk % 8) // 2, kk // 8, kk % 2
+    return 4 * t + 2 * h + e
+
+
+def repack(qs: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """qs [rows, nkb, 16] uint8, d [rows, nkb] float16 -> the lab's tiles, as wg_repack writes them."""
+    rows, nkb, _ = qs.shape
+    out = np.zeros(((rows + 63) // 64) * nkb * TILE_BYTES, np.uint8)
+    for rt in range((rows + 63) // 64):
+        for kb in range(nkb):
+            tile = out[(rt * nkb + kb) * TILE_BYTES :][:TILE_BYTES]
+            words = tile[:1024].view(np.uint32)
+            scales = tile[1024:].view(np.float16)
+            for warp in range(4):
+                for lane in range(32):
+                    g, t = lane // 4, lane % 4
+                    for h in range(2):
+                        row = rt * 64 + 16 * warp + g + 8 * h
+                        b = qs[row, kb, 4 * t : 4 * t + 4].astype(np.uint32)
+                        words[(warp * 32 + lane) * 2 + h] = b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24
+                        if t == 0:
+                            scales[(warp * 8 + g) * 2 + h] = d[row, kb]
+    return out
+
+
+def convert_x(x: np.ndarray) -> np.ndarray:
+    """x [16, k] float32 -> the f16 B tiles, as wg_convert_x writes them (by its flat index)."""
+    k = x.shape[1]
+    out = np.zeros(k * COLS, np.float16)
+    for i in range(k * COLS):
+        kb, part, e = i // 512, i // 256 % 2, i % 256
+        n, kk = (e // 128) * 8 + (e % 64) // 8, ((e // 64) % 2) * 8 + e % 8
+        out[i] = x[n, 32 * kb + 16 * part + phys_k(kk)]
+    return out
+
+
+def byte_perm(a: int, sel: int) -> int:
+    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [0, 0, 0, 0]
+    return sum(src[(sel >> (4 * i)) & 0xF] << (8 * i) for i in range(4))
+
+
+def expand(word: int, d: np.float16, hi: bool) -> tuple[np.ndarray, np.ndarray]:
+    """wg_expand: two f16 pairs (first element in the low half) of d (q - 8)."""
+    pairs = []
+    for sel in (0x4140, 0x4342):
+        v = byte_perm(word, sel) >> (4 if hi else 0)
+        h = (v & 0x000F000F) | 0x64006400
+        halves = np.array([h & 0xFFFF, h >> 16], np.uint16).view(np.float16)
+        pairs.append(((halves - np.float16(1032)).astype(np.float16) * d).astype(np.float16))
+    return pairs[0], pairs[1]
+
+
+def mma_tile(
+    tile_bytes: np.ndarray, btile: np.ndarray, nkb: int, lbo: int = LBO, sbo: int = SBO
+) -> np.ndarray:
+    """The kernel's loop for one warpgroup (one 64-row tile) over nkb blocks, the MMA as documented."""
+    acc = np.zeros((64, COLS))
+    bbytes = btile.view(np.uint8)
+    for kb in range(nkb):
+        tile = tile_bytes[kb * TILE_BYTES :][:TILE_BYTES]
+        words, scales = tile[:1024].view(np.uint32), tile[1024:].view(np.float16)
+        for part in range(2):
+            bt = bbytes[kb * B_BYTES + part * 512 :][:512]
+
+            def b_at(kk: int, n: int, bt=bt) -> float:
+                off = (n // 8) * sbo + (kk // 8) * lbo + (n % 8) * 16 + (kk % 8) * 2
+                return float(bt[off : off + 2].view(np.float16)[0])
+
+            bmat = np.array([[b_at(kk, n) for n in range(COLS)] for kk in range(16)])
+            amat = np.zeros((64, 16))
+            for warp in range(4):
+                for lane in range(32):
+                    g, t = lane // 4, lane % 4
+                    w0, w1 = (int(v) for v in words[(warp * 32 + lane) * 2 : (warp * 32 + lane) * 2 + 2])
+                    d0, d1 = scales[(warp * 8 + g) * 2], scales[(warp * 8 + g) * 2 + 1]
+                    a0, a2 = expand(w0, d0, part == 1)  # row g: k 2t, 2t + 1 / 2t + 8, 2t + 9
+                    a1, a3 = expand(w1, d1, part == 1)  # row g + 8
+                    r = 16 * warp + g
+                    amat[r, 2 * t : 2 * t + 2], amat[r, 2 * t + 8 : 2 * t + 10] = a0, a2
+                    amat[r + 8, 2 * t : 2 * t + 2], amat[r + 8, 2 * t + 8 : 2 * t + 10] = a1, a3
+            acc += amat @ bmat
+    return acc
+
+
+def test_the_lab_layouts_compute_w_times_x():
+    rng = np.random.default_rng(7)
+    nkb = 3
+    qs = rng.integers(0, 256, (64, nkb, 16), dtype=np.uint8)
+    d = rng.uniform(0.001, 0.02, (64, nkb)).astype(np.float16)
+    x = rng.uniform(-1, 1, (COLS, 32 * nkb)).astype(np.float16).astype(np.float32)
+    # the reference: Q4_0 as ggml lays it out (low nibbles k 0..15, high nibbles k 16..31)
+    q = np.concatenate([qs & 15, qs >> 4], axis=2).astype(np.float64) - 8
+    w = (q * d[..., None].astype(np.float64)).astype(np.float16).astype(np.float64).reshape(64, 32 * nkb)
+    ref = w @ x.T.astype(np.float64)
+    got = mma_tile(repack(qs, d), convert_x(x), nkb)
+    assert np.allclose(got, ref, rtol=1e-9, atol=1e-9)
+    # a wrong assumption must show: the two strides swapped
+    swapped = mma_tile(repack(qs, d), convert_x(x), nkb, lbo=SBO, sbo=LBO)
+    assert not np.allclose(swapped, ref, rtol=1e-3, atol=1e-3)
+
+
+def test_the_k_permutation_is_one_to_one_and_matches_the_fragment():
+    assert sorted(phys_k(kk) for kk in range(16)) == list(range(16))
+    # thread t's word holds physical k 4t .. 4t + 3; the fragment holds MMA k 2t, 2t + 1, 2t + 8, 2t + 9
+    for t in range(4):
+        assert [phys_k(kk) for kk in (2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9)] == [
+            4 * t + i for i in range(4)
+        ]
