@@ -142,7 +142,9 @@ def wg_table(rows: list[dict]) -> str:
                 f"{r['group']:<12} {r['launches']:>3} launches  {r['us']:>9.2f} us  {r['tb_s']:.2f} TB/s"
             )
         elif r["kind"] == "step":
-            lines.append(f"step (wg {r['wg']}, {r['ctas_per_sm']} CTAs an SM): {r['step_ms']:.3f} ms")
+            conv = r.get("step_ms_with_convert")
+            more = f" ({conv:.3f} with the activations' conversion before each)" if conv is not None else ""
+            lines.append(f"step (wg {r['wg']}, {r['ctas_per_sm']} CTAs an SM): {r['step_ms']:.3f} ms{more}")
     return "\n".join(lines)
 
 

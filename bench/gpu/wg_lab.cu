@@ -13,7 +13,8 @@
 // K slice in f32 with no per-block step; two `wgmma.mma_async m64n16k16` a block (low nibbles, high
 // nibbles: the k order inside a block is permuted the same way in A and B). The MMAs of a stage run
 // while the warps expand the next stage's nibbles (one commit group a stage, waits one group behind).
-// K slices add into a zeroed output with atomics.
+// K slices write partial sums; the last CTA of a row tile (an atomic counter it resets) adds them in
+// slice order, so the result does not depend on timing (as the library's tensor-core kernel does).
 //
 // The B operand's layout (no swizzle, K-major): core matrices of 8 columns x 8 k (16 bytes a column),
 // core (n / 8, k / 8) at (n / 8) * 256 + (k / 8) * 128 bytes of a 512-byte k16 tile. Which descriptor
@@ -43,8 +44,14 @@ static constexpr int WG_TILE_ROWS  = 64;
 static constexpr int WG_TILE_BYTES = 1152;  // 64 rows x one Q4_0 block: 1,024 bytes of quants, 128 of scales
 static constexpr int WG_B_BYTES    = 1024;  // 16 columns x 32 k in f16: two 512-byte k16 tiles
 static constexpr int WG_COLS       = 16;
-static constexpr int WG_SB         = 4;     // Q4_0 blocks a stage
-static constexpr int WG_STAGES     = 6;
+#ifndef WG_SB_SET
+#define WG_SB_SET 4
+#endif
+#ifndef WG_STAGES_SET
+#define WG_STAGES_SET 6
+#endif
+static constexpr int WG_SB         = WG_SB_SET;      // Q4_0 blocks a stage (nvcc -DWG_SB_SET=N to try others)
+static constexpr int WG_STAGES     = WG_STAGES_SET;  // stages (-DWG_STAGES_SET=N)
 static constexpr int LAB_SETS      = 8;     // weight sets a group, cycled: each group's sets exceed the L2
 
 struct q4_0_block {
@@ -192,11 +199,13 @@ static __device__ __forceinline__ void wg_expand(const uint32_t w, const half2 d
 #endif
 
 // grid: (row tiles / WG, K slices); nkb Q4_0 blocks a row, kslice_blocks a slice (nkb and kslice_blocks
-// multiples of WG_SB); y: nrows x 16 f32, column-major (y[col * nrows + row]), zeroed before when K is split
+// multiples of WG_SB); y: nrows x 16 f32, column-major (y[col * nrows + row]); with K slices, partials
+// (slices x 16 x nrows) and one counter a CTA column (zero, and left zero)
 template <int WG>
 __launch_bounds__(128 * WG)
 static __global__ void wg_mm(const char * w, const half * x, float * y, const int nrows, const int nkb,
-                             const int kslice_blocks, const uint32_t lbo, const uint32_t sbo, const int atomic) {
+                             const int kslice_blocks, const uint32_t lbo, const uint32_t sbo, float * partials,
+                             unsigned int * counters) {
 #ifdef WG_OK
     constexpr int STAGE = WG * WG_SB * WG_TILE_BYTES + WG_SB * WG_B_BYTES;
     extern __shared__ __align__(128) char wg_smem_buf[];
@@ -279,24 +288,52 @@ static __global__ void wg_mm(const char * w, const half * x, float * y, const in
 
     // the accumulators: rows 16 warp + g (+ 8), columns 8 i + 2 t (+ 1)
     const int row0 = (rt0 + wgi) * WG_TILE_ROWS + 16 * warp + g;
+    if (partials == nullptr) {
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int row = row0 + 8 * (e / 2), col = 8 * i + 2 * t + e % 2;
+        for (int e = 0; e < 8; e++) {
+            const int row = row0 + 8 * ((e % 4) / 2), col = 8 * (e / 4) + 2 * t + e % 2;
             if (row < nrows) {
-                float * dst = y + (int64_t) col * nrows + row;
-                if (atomic) {
-                    atomicAdd(dst, acc[4 * i + e]);
-                } else {
-                    *dst = acc[4 * i + e];
-                }
+                y[(int64_t) col * nrows + row] = acc[e];
             }
         }
+        return;
+    }
+    const int64_t plane = (int64_t) WG_COLS * nrows;
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+        const int row = row0 + 8 * ((e % 4) / 2), col = 8 * (e / 4) + 2 * t + e % 2;
+        if (row < nrows) {
+            partials[blockIdx.y * plane + (int64_t) col * nrows + row] = acc[e];
+        }
+    }
+    __threadfence();
+    __shared__ int last;
+    __syncthreads();
+    if (tid == 0) {
+        last = atomicAdd(&counters[blockIdx.x], 1u) == gridDim.y - 1;
+    }
+    __syncthreads();
+    if (!last) {
+        return;
+    }
+    __threadfence();
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+        const int row = row0 + 8 * ((e % 4) / 2), col = 8 * (e / 4) + 2 * t + e % 2;
+        if (row < nrows) {
+            float sum = 0.0f;
+            for (int sl = 0; sl < (int) gridDim.y; sl++) {
+                sum += __ldcg(partials + sl * plane + (int64_t) col * nrows + row);
+            }
+            y[(int64_t) col * nrows + row] = sum;
+        }
+    }
+    if (tid == 0) {
+        counters[blockIdx.x] = 0;
     }
 #else
     (void) w, (void) x, (void) y, (void) nrows, (void) nkb, (void) kslice_blocks, (void) lbo, (void) sbo;
-    (void) atomic;
+    (void) partials, (void) counters;
 #endif
 }
 
@@ -353,7 +390,10 @@ int main(int argc, char ** argv) {
     struct gstate {
         std::vector<char *> w;  // LAB_SETS repacked weight sets
         half *              x = nullptr;
+        float *             xf = nullptr;  // the f32 activations the conversion reads
         float *             y = nullptr;
+        float *             partials = nullptr;
+        unsigned int *      counters = nullptr;
         int                 nkb = 0, ctas = 0, kslices = 1, kslice_blocks = 0;
         std::vector<q4_0_block> host_w;  // set 0, for the reference
         std::vector<float>      host_x;
@@ -406,30 +446,36 @@ int main(int argc, char ** argv) {
             const uint32_t hh = ((uint32_t) i * 2246822519u) ^ (uint32_t) gi;
             s.host_x[i]       = __half2float(__float2half((float) (hh % 2001) / 1000.0f - 1.0f));
         }
-        float * xf;
-        LAB_CHECK(cudaMalloc(&xf, s.host_x.size() * sizeof(float)));
-        LAB_CHECK(cudaMemcpy(xf, s.host_x.data(), s.host_x.size() * sizeof(float), cudaMemcpyHostToDevice));
+        LAB_CHECK(cudaMalloc(&s.xf, s.host_x.size() * sizeof(float)));
+        LAB_CHECK(cudaMemcpy(s.xf, s.host_x.data(), s.host_x.size() * sizeof(float), cudaMemcpyHostToDevice));
         LAB_CHECK(cudaMalloc(&s.x, (size_t) WG_COLS * g.k * sizeof(half)));
-        wg_convert_x<<<(unsigned) (((int64_t) WG_COLS * g.k + 255) / 256), 256>>>(xf, s.x, g.k, WG_COLS);
+        wg_convert_x<<<(unsigned) (((int64_t) WG_COLS * g.k + 255) / 256), 256>>>(s.xf, s.x, g.k, WG_COLS);
         LAB_CHECK(cudaGetLastError());
-        LAB_CHECK(cudaFree(xf));
         LAB_CHECK(cudaMalloc(&s.y, (size_t) WG_COLS * g.rows * sizeof(float)));
+        if (s.kslices > 1) {
+            LAB_CHECK(cudaMalloc(&s.partials, (size_t) s.kslices * WG_COLS * g.rows * sizeof(float)));
+            LAB_CHECK(cudaMalloc(&s.counters, (size_t) s.ctas * sizeof(unsigned int)));
+            LAB_CHECK(cudaMemset(s.counters, 0, (size_t) s.ctas * sizeof(unsigned int)));
+        }
     }
     LAB_CHECK(cudaDeviceSynchronize());
 
     uint32_t lbo = 128, sbo = 256;  // k-direction core stride in LBO; swapped below if that is wrong
-    // K slices add into the output: zeroed before the checked launch; the timed ones add onto it (the same
-    // work; no memset launch a product, as the library would not pay one either)
-    auto launch = [&](const size_t gi, const int set) {
+    // convert: the activations' f16 conversion launched before the product, as the library would
+    auto launch = [&](const size_t gi, const int set, const bool convert = false) {
         gstate & s = gs[gi];
+        if (convert) {
+            const int64_t n = (int64_t) WG_COLS * plan[gi].k;
+            wg_convert_x<<<(unsigned) ((n + 255) / 256), 256>>>(s.xf, s.x, plan[gi].k, WG_COLS);
+        }
         kernel<<<dim3(s.ctas, s.kslices), 128 * wg, smem>>>(s.w[set], s.x, s.y, plan[gi].rows, s.nkb, s.kslice_blocks,
-                                                             lbo, sbo, s.kslices > 1);
+                                                             lbo, sbo, s.partials, s.counters);
     };
     // the host reference on sampled rows (double; the f16 activations as the kernel sees them)
     auto check = [&](const size_t gi) -> double {
         const wg_group & g = plan[gi];
         gstate &         s = gs[gi];
-        LAB_CHECK(cudaMemset(s.y, 0, (size_t) WG_COLS * g.rows * sizeof(float)));
+        LAB_CHECK(cudaMemset(s.y, 0xff, (size_t) WG_COLS * g.rows * sizeof(float)));  // NaN: every output written
         launch(gi, 0);
         LAB_CHECK(cudaDeviceSynchronize());
         const std::vector<float> y = lab_fetch<float>(s.y, (size_t) WG_COLS * g.rows);
@@ -486,19 +532,25 @@ int main(int argc, char ** argv) {
         }
     }
     std::vector<float> group_ms(plan.size(), 0.0f);
-    float              step_ms = 0.0f;
-    for (int r = 0; r < repeats; r++) {
-        for (size_t gi = 0; gi < plan.size(); gi++) {
-            LAB_CHECK(cudaEventRecord(e0));
-            for (int l = 0; l < plan[gi].launches; l++) {
-                launch(gi, l % LAB_SETS);
+    float              step_ms = 0.0f, step_conv_ms = 0.0f;
+    for (int convert = 0; convert < 2; convert++) {
+        for (int r = 0; r < repeats; r++) {
+            for (size_t gi = 0; gi < plan.size(); gi++) {
+                LAB_CHECK(cudaEventRecord(e0));
+                for (int l = 0; l < plan[gi].launches; l++) {
+                    launch(gi, l % LAB_SETS, convert == 1);
+                }
+                LAB_CHECK(cudaEventRecord(e1));
+                LAB_CHECK(cudaEventSynchronize(e1));
+                float ms = 0.0f;
+                LAB_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+                if (convert == 0) {
+                    group_ms[gi] += ms;
+                    step_ms += ms;
+                } else {
+                    step_conv_ms += ms;
+                }
             }
-            LAB_CHECK(cudaEventRecord(e1));
-            LAB_CHECK(cudaEventSynchronize(e1));
-            float ms = 0.0f;
-            LAB_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-            group_ms[gi] += ms;
-            step_ms += ms;
         }
     }
     LAB_CHECK(cudaGetLastError());
@@ -508,7 +560,8 @@ int main(int argc, char ** argv) {
         printf("{\"kind\": \"group\", \"group\": \"%s\", \"launches\": %d, \"us\": %.3f, \"tb_s\": %.3f}\n",
                plan[gi].name, plan[gi].launches, us, bytes / us * 1e-6);
     }
-    printf("{\"kind\": \"step\", \"columns\": 16, \"wg\": %d, \"ctas_per_sm\": %d, \"step_ms\": %.4f}\n", wg, occupancy,
-           step_ms / repeats);
+    printf("{\"kind\": \"step\", \"columns\": 16, \"wg\": %d, \"ctas_per_sm\": %d, \"step_ms\": %.4f, "
+           "\"step_ms_with_convert\": %.4f}\n",
+           wg, occupancy, step_ms / repeats, step_conv_ms / repeats);
     return 0;
 }

@@ -55,13 +55,17 @@ def test_the_wg_table_names_the_layout_the_checks_and_the_step():
             '{"kind": "check", "group": "out", "k_slices": 3, "ctas": 240, "max_rel": 2.0e-04, "ok": true}',
             '{"kind": "check", "group": "down", "k_slices": 4, "ctas": 320, "max_rel": 5e-01, "ok": false}',
             '{"kind": "group", "group": "out", "launches": 64, "us": 9.5, "tb_s": 1.86}',
-            '{"kind": "step", "columns": 16, "wg": 1, "ctas_per_sm": 4, "step_ms": 6.25}',
+            '{"kind": "step", "columns": 16, "wg": 1, "ctas_per_sm": 4, "step_ms": 6.25,'
+            ' "step_ms_with_convert": 6.5}',
         ]
     )
     text = lab.wg_table(rows).splitlines()
     assert text[1] == "layout lbo 256 sbo 128: max rel 2.00e-04"
     assert text[2].endswith(" ok") and "DIFFERS" in text[3]
-    assert "1.86 TB/s" in text[4] and text[5] == "step (wg 1, 4 CTAs an SM): 6.250 ms"
+    assert "1.86 TB/s" in text[4]
+    assert (
+        text[5] == "step (wg 1, 4 CTAs an SM): 6.250 ms (6.500 with the activations' conversion before each)"
+    )
 
 
 def mmr_run(step: float, total: float, group_us: float = 10.0) -> list[dict]:
