@@ -2,9 +2,10 @@
 core-matrix layout, the byte selectors and nibble expansion of the A fragments, and the MMA as the PTX
 ISA documents its operands (A: the m16k16 fragment of each warp; B: core matrices of 8 x 16 bytes
 addressed by the descriptor's K-direction (leading) and N-direction (stride) byte offsets; D: rows
-g / g + 8, columns 2t, 2t + 1 of each 8) must give W x for one 64-row tile over several blocks. What
-only the GPU can tell (that the hardware reads the operands this way) the lab checks against a host
-reference on the H200; this test keeps the arithmetic the lab relies on honest."""
+g / g + 8, columns 2t, 2t + 1 of each 8) must give W x for one 64-row tile over several blocks; and
+patch 0024's library form, which reads the same operands out of the copies' tiles (mc_mmr_repack's
+layout). What only the GPU can tell (that the hardware reads the operands this way) the lab checks
+against a host reference on the H200; this test keeps the arithmetic both rely on honest."""
 
 from __future__ import annotations
 
@@ -67,35 +68,54 @@ def expand(word: int, d: np.float16, hi: bool) -> tuple[np.ndarray, np.ndarray]:
     return pairs[0], pairs[1]
 
 
+def a_matrix(fetch, part: int) -> np.ndarray:
+    """A warpgroup's A operand (64 rows x the MMA's 16 k) as its threads build it: fetch(warp, lane)
+    gives the quant words of rows g, g + 8 and their scales; part 1: the high nibbles."""
+    amat = np.zeros((64, 16))
+    for warp in range(4):
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            w0, w1, d0, d1 = fetch(warp, lane)
+            a0, a2 = expand(w0, d0, part == 1)  # row g: k 2t, 2t + 1 / 2t + 8, 2t + 9
+            a1, a3 = expand(w1, d1, part == 1)  # row g + 8
+            r = 16 * warp + g
+            amat[r, 2 * t : 2 * t + 2], amat[r, 2 * t + 8 : 2 * t + 10] = a0, a2
+            amat[r + 8, 2 * t : 2 * t + 2], amat[r + 8, 2 * t + 8 : 2 * t + 10] = a1, a3
+    return amat
+
+
+def b_matrix(bt: np.ndarray, lbo: int = LBO, sbo: int = SBO) -> np.ndarray:
+    """A 512-byte k16 tile of activations as the descriptor addresses it (16 k x 16 columns)."""
+
+    def at(kk: int, n: int) -> float:
+        off = (n // 8) * sbo + (kk // 8) * lbo + (n % 8) * 16 + (kk % 8) * 2
+        return float(bt[off : off + 2].view(np.float16)[0])
+
+    return np.array([[at(kk, n) for n in range(COLS)] for kk in range(16)])
+
+
 def mma_tile(
     tile_bytes: np.ndarray, btile: np.ndarray, nkb: int, lbo: int = LBO, sbo: int = SBO
 ) -> np.ndarray:
-    """The kernel's loop for one warpgroup (one 64-row tile) over nkb blocks, the MMA as documented."""
+    """The lab kernel's loop for one warpgroup (one 64-row tile) over nkb blocks, the MMA as documented."""
     acc = np.zeros((64, COLS))
     bbytes = btile.view(np.uint8)
     for kb in range(nkb):
         tile = tile_bytes[kb * TILE_BYTES :][:TILE_BYTES]
         words, scales = tile[:1024].view(np.uint32), tile[1024:].view(np.float16)
+
+        def fetch(warp: int, lane: int, words=words, scales=scales) -> tuple:
+            i, g = (warp * 32 + lane) * 2, lane // 4
+            return (
+                int(words[i]),
+                int(words[i + 1]),
+                scales[(warp * 8 + g) * 2],
+                scales[(warp * 8 + g) * 2 + 1],
+            )
+
         for part in range(2):
             bt = bbytes[kb * B_BYTES + part * 512 :][:512]
-
-            def b_at(kk: int, n: int, bt=bt) -> float:
-                off = (n // 8) * sbo + (kk // 8) * lbo + (n % 8) * 16 + (kk % 8) * 2
-                return float(bt[off : off + 2].view(np.float16)[0])
-
-            bmat = np.array([[b_at(kk, n) for n in range(COLS)] for kk in range(16)])
-            amat = np.zeros((64, 16))
-            for warp in range(4):
-                for lane in range(32):
-                    g, t = lane // 4, lane % 4
-                    w0, w1 = (int(v) for v in words[(warp * 32 + lane) * 2 : (warp * 32 + lane) * 2 + 2])
-                    d0, d1 = scales[(warp * 8 + g) * 2], scales[(warp * 8 + g) * 2 + 1]
-                    a0, a2 = expand(w0, d0, part == 1)  # row g: k 2t, 2t + 1 / 2t + 8, 2t + 9
-                    a1, a3 = expand(w1, d1, part == 1)  # row g + 8
-                    r = 16 * warp + g
-                    amat[r, 2 * t : 2 * t + 2], amat[r, 2 * t + 8 : 2 * t + 10] = a0, a2
-                    amat[r + 8, 2 * t : 2 * t + 2], amat[r + 8, 2 * t + 8 : 2 * t + 10] = a1, a3
-            acc += amat @ bmat
+            acc += a_matrix(fetch, part) @ b_matrix(bt, lbo, sbo)
     return acc
 
 
@@ -123,3 +143,59 @@ def test_the_k_permutation_is_one_to_one_and_matches_the_fragment():
         assert [phys_k(kk) for kk in (2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9)] == [
             4 * t + i for i in range(4)
         ]
+
+
+def repack_copies(qs: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """The library's copies (mc_mmr_repack, patch 0015): tile (16-row tile mt, quad q) at (mt * nquads + q)
+    * 1152; piece p < 64 (lane 4 g + t, half h = p / 32): byte 4 j + b = qs byte 4 t + b of block 4 q + j of
+    row 16 mt + g + 8 h; piece 64 + g: halves 4 h + j = d of block 4 q + j of row 16 mt + g + 8 h."""
+    rows, nkb, _ = qs.shape
+    nquads = nkb // 4
+    out = np.zeros(rows // 16 * nquads * TILE_BYTES, np.uint8)
+    for mt in range(rows // 16):
+        for q in range(nquads):
+            tile = out[(mt * nquads + q) * TILE_BYTES :][:TILE_BYTES]
+            for p in range(64):
+                g, t, h = p % 32 // 4, p % 4, p // 32
+                for j in range(4):
+                    tile[p * 16 + 4 * j : p * 16 + 4 * j + 4] = qs[
+                        16 * mt + g + 8 * h, 4 * q + j, 4 * t : 4 * t + 4
+                    ]
+            for g in range(8):
+                halves = tile[1024 + g * 16 : 1024 + g * 16 + 16].view(np.float16)
+                for h in range(2):
+                    for j in range(4):
+                        halves[4 * h + j] = d[16 * mt + g + 8 * h, 4 * q + j]
+    return out
+
+
+def test_the_library_form_reads_the_copies_layout():
+    """Patch 0024's kernel (mc_mmw_q4_0) on the copies: warp w of a CTA at row0 reads tile (row0 / 16 + w,
+    quad) at lane * 16 (row g), 512 + lane * 16 (row g + 8) and 1024 + g * 16 (the 8 scales), block j of
+    the quad being word j of each piece; the activations as mc_mmw_convert_y writes them (the lab's)."""
+    rng = np.random.default_rng(11)
+    rows, nkb = 128, 8  # two CTAs of 64 rows, two quads
+    qs = rng.integers(0, 256, (rows, nkb, 16), dtype=np.uint8)
+    d = rng.uniform(0.001, 0.02, (rows, nkb)).astype(np.float16)
+    x = rng.uniform(-1, 1, (COLS, 32 * nkb)).astype(np.float16).astype(np.float32)
+    q = np.concatenate([qs & 15, qs >> 4], axis=2).astype(np.float64) - 8
+    w = (q * d[..., None].astype(np.float64)).astype(np.float16).astype(np.float64).reshape(rows, 32 * nkb)
+    ref = w @ x.T.astype(np.float64)
+    copies, bt, nquads = repack_copies(qs, d), convert_x(x).view(np.uint8), nkb // 4
+    got = np.zeros((rows, COLS))
+    for row0 in range(0, rows, 64):
+        for kb in range(nkb):
+            quad, j = kb // 4, kb % 4
+
+            def fetch(warp: int, lane: int, quad=quad, j=j, row0=row0) -> tuple:
+                tile = copies[((row0 // 16 + warp) * nquads + quad) * TILE_BYTES :][:TILE_BYTES]
+                w0 = int(tile[lane * 16 : lane * 16 + 16].view(np.uint32)[j])
+                w1 = int(tile[512 + lane * 16 : 512 + lane * 16 + 16].view(np.uint32)[j])
+                sc = tile[1024 + lane // 4 * 16 :][:16].view(np.float16)
+                return w0, w1, sc[j], sc[4 + j]
+
+            for part in range(2):
+                got[row0 : row0 + 64] += a_matrix(fetch, part) @ b_matrix(
+                    bt[kb * B_BYTES + part * 512 :][:512]
+                )
+    assert np.allclose(got, ref, rtol=1e-9, atol=1e-9)

@@ -102,6 +102,43 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     assert spills and all(s == ("0", "0") for s in spills), spills
 
 
+def test_the_warpgroup_form_compiles_for_sm_90a_and_is_wired(patched, tmp_path):
+    """Patch 0024 (MC_MMR_FORM=4, off by default until measured in the library): the copies' products
+    on sm_90a's asynchronous warpgroup MMAs. For sm_90a the kernel holds the MMAs (66 registers in
+    the lab's form, no spills, 4 CTAs of 128 threads an SM); elsewhere (sm_90, sm_120: the tests
+    above) it compiles to nothing, and the host runs it only where a probe kernel, launched once a
+    device outside graph capture, says the build holds its code; else form 3 with a warning."""
+    out = compile_cuda(patched, "mc-mmv.cu", "90a", tmp_path, "-Xptxas", "-v")
+    assert out.returncode == 0, out.stderr[-3000:]
+    name = r"function '(_Z11mc_mmw_q4_0\w+)' for 'sm_90a'.*?(\d+) bytes spill stores.*?Used (\d+) registers"
+    mmw = re.findall(name, out.stderr, re.S)
+    assert len(mmw) == 1 and mmw[0][1] == "0" and int(mmw[0][2]) <= 128, mmw
+    # ptxas may wait on the MMAs only on the stage wait's trap path (one place), not in the loop
+    assert out.stderr.count("warpgroup.wait is injected") <= 1, out.stderr
+    assert "warpgroup.arrive is injected" not in out.stderr
+    assert "Compiling entry function '_Z16mc_mmw_convert_y" in out.stderr
+    source = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
+    assert 'mc_env_int("MC_MMR_FORM", 1, 4, 3)' in source  # 3 stays the default
+    run = c_body(source, "static bool mc_mmr_run(")
+    assert "mc_mmr_form() == 4 && mc_mmw_ok[ctx.device] == 2" in run
+    prepare = c_body(source, "void ggml_cuda_mc_repack_prepare(")
+    assert "cc == GGML_CUDA_CC_HOPPER" in prepare and "mc_mmw_probe<<<" in prepare
+    assert prepare.index("mc_mmw_probe<<<") < prepare.index("cudaStreamSynchronize")
+    kernel = c_body(source, "static __global__ void mc_mmw_q4_0(")
+    # weights' first stages before the PDL wait, activations after; the stage refilled only after its
+    # MMAs are done; slices finished as the f16 form's
+    assert kernel.index("issue_w(c)") < kernel.index("ggml_cuda_pdl_sync()") < kernel.index("issue_y(c)")
+    assert kernel.index("wgmma.wait_group.sync.aligned 1") < kernel.index("issue_w(c - 1 + MC_MMW_STAGES)")
+    assert "mc_mmq_ksplit_finish(" in kernel
+
+
+def c_body(source: str, head: str) -> str:
+    """The text of the C++ function (or kernel) whose definition starts with head, up to its closing
+    brace at the start of a line."""
+    start = source.index(head)
+    return source[start : source.index("\n}\n", start)]
+
+
 @pytest.mark.parametrize("arch", ["90", "120"])
 def test_the_cached_rms_norm_compiles(patched, arch, tmp_path):
     """Patch 0009 (the cached rms_norm, the default; MC_NORM_PREFETCH=0 off): the multiply-only
