@@ -9,6 +9,8 @@
 // other here, and the winners in the real step). Each group's output checksum is printed so two
 // settings' runs can be compared (bench/gpu/kernel_lab.py mmr does). The settings the kernels read
 // from the environment (MC_MMR_*, MC_MMV_*) apply as in the library. Output: one JSON object a line.
+// MC_MMR_FORM=4 (patch 0024): the warpgroup kernel mc_mmw_q4_0 on the same copies, its activations by
+// mc_mmw_convert_y (sm_90 and a lab built for 90a; else the program says so and exits 2).
 // Usage: mmr_lab REPEATS COLUMNS (COLUMNS 1 or 9..16)
 #include "mc-mmv.cu"
 #define LAB_GGML_STUBS
@@ -142,15 +144,36 @@ int main(int argc, char ** argv) {
     int dev = 0, nsm = 0;
     LAB_CHECK(cudaGetDevice(&dev));
     LAB_CHECK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, dev));
-    const int form = mc_env_int("MC_MMR_FORM", 1, 3, 3) == 1 ? 1 : 3;
+    // MC_MMR_FORM as the library reads it: 1, 3 or 4 (patch 0024's warpgroup kernel, sm_90 GPUs and a lab
+    // built for 90a: kernel_lab.py mmr --arch 90a; its probe says whether this build holds its code)
+    const int form = mc_mmr_form();
     cudaDeviceProp prop;
     LAB_CHECK(cudaGetDeviceProperties(&prop, dev));
-    const bool bulk = form == 3 && prop.major >= 9;
+    const bool bulk = form != 1 && prop.major >= 9;
+    bool       wgmma = false;
+    if (form == 4 && !decode) {
+        int * flag;
+        int   found = 0;
+        LAB_CHECK(cudaMalloc(&flag, sizeof(int)));
+        mc_mmw_probe<<<1, 1>>>(flag);
+        LAB_CHECK(cudaMemcpy(&found, flag, sizeof(int), cudaMemcpyDeviceToHost));
+        wgmma = found == 1 && prop.major == 9 && prop.minor == 0;
+        if (!wgmma) {
+            fprintf(stderr, "mmr_lab: MC_MMR_FORM=4 needs an sm_90 GPU and the lab built for 90a (--arch 90a)\n");
+            return 2;
+        }
+    }
     const auto kernel = bulk ? mc_mmr_q4_0<2, 3, true> : mc_mmr_q4_0<2, 3, false>;
-    constexpr size_t smem = (size_t) 3 * MC_MMQ_WARPS * MC_MMR_ITEMS(2) * 512;
-    LAB_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
-    int occupancy = 0;
-    LAB_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, kernel, MC_MMQ_THREADS, smem));
+    const auto       wkernel = mc_mmw_q4_0;
+    const size_t     smem    = wgmma ? (size_t) MC_MMW_STAGES * MC_MMW_STAGE : (size_t) 3 * MC_MMQ_WARPS * MC_MMR_ITEMS(2) * 512;
+    int              occupancy = 0;
+    if (wgmma) {
+        LAB_CHECK(cudaFuncSetAttribute(wkernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+        LAB_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, wkernel, MC_MMQ_THREADS, smem));
+    } else {
+        LAB_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+        LAB_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, kernel, MC_MMQ_THREADS, smem));
+    }
     occupancy = std::max(1, occupancy);
 
     // weights (four sets a group, repacked), activations (f16, the converter's order), outputs, partials
@@ -211,7 +234,11 @@ int main(int argc, char ** argv) {
             lab_quantize_q8_1<<<(unsigned) ((nblocks + 7) / 8), 256>>>(x, yq[gi], nblocks);
         } else {
             LAB_CHECK(cudaMalloc(&ys[gi], sizeof(half) * 16 * g.k));
-            mc_mmr_convert_y<<<(unsigned) ((nblocks * 16 * 4 + 255) / 256), 256>>>(x, ys[gi], nblocks, g.k, ncols, 16);
+            if (wgmma) {  // the warpgroup kernel's B layout (mc_mmw_convert_y), else the f16 form's order
+                mc_mmw_convert_y<<<(unsigned) ((16 * g.k + 255) / 256), 256>>>(x, ys[gi], g.k, g.k, ncols);
+            } else {
+                mc_mmr_convert_y<<<(unsigned) ((nblocks * 16 * 4 + 255) / 256), 256>>>(x, ys[gi], nblocks, g.k, ncols, 16);
+            }
         }
         LAB_CHECK(cudaGetLastError());
     }
@@ -245,6 +272,15 @@ int main(int argc, char ** argv) {
         }
         const int ntiles  = mc_group_tiles(grp, MC_MMQ_ROWS);
         const int nquads  = g.k / 128;
+        if (wgmma) {  // as mc_mmw_launch: K slices in quads
+            const int wks = mc_mmq_kslices(ntiles, nquads, occupancy * nsm);
+            const int per = (nquads + wks - 1) / wks;
+            const int gy  = (nquads + per - 1) / per;
+            const int region = (int) (launches++ % MC_MMQ_COUNTER_REGIONS);
+            wkernel<<<dim3(ntiles, gy, 1), MC_MMQ_THREADS, smem>>>(grp, ys[gi], gy > 1 ? partials : nullptr, region,
+                                                                   nullptr, ncols, nquads, per, mc_kernel_flags());
+            return gy;
+        }
         const int nchunks = nquads / 4;
         const int ks      = mc_mmq_kslices(ntiles, nchunks, occupancy * nsm);
         const int per     = (nchunks + ks - 1) / ks;
