@@ -355,6 +355,146 @@ struct wg_group {
     int          rows, k, launches;  // rows: the products of one launch stacked (one input)
 };
 
+// one group's buffers: LAB_SETS repacked weight sets, the activations (f32 and converted), the output,
+// the K slices' partials and counters, and set 0's weights and the activations on the host
+struct wg_state {
+    std::vector<char *>     w;
+    half *                  x  = nullptr;
+    float *                 xf = nullptr;
+    float *                 y  = nullptr;
+    float *                 partials = nullptr;
+    unsigned int *          counters = nullptr;
+    int                     nkb = 0, ctas = 0, kslices = 1, kslice_blocks = 0;
+    std::vector<q4_0_block> host_w;
+    std::vector<float>      host_x;
+};
+
+// K slices: fewest waves x (chunks a CTA + 2), as the library's tensor-core launcher chooses
+static void wg_slices(wg_state & s, const int nctas_x, const int cap) {
+    const int nch  = s.nkb / WG_SB;
+    double    best = 1e30;
+    for (int ks = 1; ks <= 8; ks++) {
+        const int    per  = (nch + ks - 1) / ks;
+        const double cost = (double) ((nctas_x * ks + cap - 1) / cap) * (per + 2);
+        if (cost < best) {
+            best = cost, s.kslice_blocks = per * WG_SB;
+        }
+    }
+    s.kslices = (s.nkb + s.kslice_blocks - 1) / s.kslice_blocks;
+    s.ctas    = nctas_x;
+}
+
+static void wg_setup(const wg_group & g, const size_t gi, const int wg, const int cap, wg_state & s) {
+    s.nkb            = g.k / 32;
+    const int ntiles = (g.rows + WG_TILE_ROWS - 1) / WG_TILE_ROWS;
+    wg_slices(s, (ntiles + wg - 1) / wg, cap);
+    q4_0_block * plain;
+    LAB_CHECK(cudaMalloc(&plain, (size_t) g.rows * s.nkb * sizeof(q4_0_block)));
+    const size_t rep_bytes = (size_t) ((ntiles + wg - 1) / wg * wg) * s.nkb * WG_TILE_BYTES;  // zeros past rows
+    for (int set = 0; set < LAB_SETS; set++) {
+        std::vector<q4_0_block> h((size_t) g.rows * s.nkb);
+        fill_random(h, (uint32_t) (gi * 131 + set * 7919 + 1));
+        LAB_CHECK(cudaMemcpy(plain, h.data(), h.size() * sizeof(q4_0_block), cudaMemcpyHostToDevice));
+        char * rep;
+        LAB_CHECK(cudaMalloc(&rep, rep_bytes));
+        LAB_CHECK(cudaMemset(rep, 0, rep_bytes));
+        const int64_t items = (int64_t) ntiles * s.nkb * 128;
+        wg_repack<<<(unsigned) ((items + 255) / 256), 256>>>(plain, rep, g.rows, s.nkb);
+        LAB_CHECK(cudaGetLastError());
+        s.w.push_back(rep);
+        if (set == 0) {
+            s.host_w = h;
+        }
+    }
+    LAB_CHECK(cudaFree(plain));
+    s.host_x.resize((size_t) WG_COLS * g.k);
+    for (size_t i = 0; i < s.host_x.size(); i++) {
+        const uint32_t hh = ((uint32_t) i * 2246822519u) ^ (uint32_t) gi;
+        s.host_x[i]       = __half2float(__float2half((float) (hh % 2001) / 1000.0f - 1.0f));
+    }
+    LAB_CHECK(cudaMalloc(&s.xf, s.host_x.size() * sizeof(float)));
+    LAB_CHECK(cudaMemcpy(s.xf, s.host_x.data(), s.host_x.size() * sizeof(float), cudaMemcpyHostToDevice));
+    LAB_CHECK(cudaMalloc(&s.x, (size_t) WG_COLS * g.k * sizeof(half)));
+    wg_convert_x<<<(unsigned) (((int64_t) WG_COLS * g.k + 255) / 256), 256>>>(s.xf, s.x, g.k, WG_COLS);
+    LAB_CHECK(cudaGetLastError());
+    LAB_CHECK(cudaMalloc(&s.y, (size_t) WG_COLS * g.rows * sizeof(float)));
+    if (s.kslices > 1) {
+        LAB_CHECK(cudaMalloc(&s.partials, (size_t) s.kslices * WG_COLS * g.rows * sizeof(float)));
+        LAB_CHECK(cudaMalloc(&s.counters, (size_t) s.ctas * sizeof(unsigned int)));
+        LAB_CHECK(cudaMemset(s.counters, 0, (size_t) s.ctas * sizeof(unsigned int)));
+    }
+}
+
+// the lab's kernel and launch settings; convert: the activations' f16 conversion before the product,
+// as the library launches it
+struct wg_runner {
+    void (*kernel)(const char *, const half *, float *, int, int, int, uint32_t, uint32_t, float *, unsigned int *);
+    int      threads = 128;
+    size_t   smem    = 0;
+    uint32_t lbo = 128, sbo = 256;  // the K-direction core stride in the leading byte offset (swapped if wrong)
+
+    void launch(const wg_group & g, wg_state & s, const int set, const bool convert = false) const {
+        if (convert) {
+            const int64_t n = (int64_t) WG_COLS * g.k;
+            wg_convert_x<<<(unsigned) ((n + 255) / 256), 256>>>(s.xf, s.x, g.k, WG_COLS);
+        }
+        kernel<<<dim3(s.ctas, s.kslices), threads, smem>>>(s.w[set], s.x, s.y, g.rows, s.nkb, s.kslice_blocks, lbo,
+                                                           sbo, s.partials, s.counters);
+    }
+
+    // the largest error on sampled rows against the host reference in double (relative to the sum of
+    // the terms' magnitudes); outputs poisoned with NaN first, so one left unwritten shows
+    double check(const wg_group & g, wg_state & s) const {
+        LAB_CHECK(cudaMemset(s.y, 0xff, (size_t) WG_COLS * g.rows * sizeof(float)));
+        launch(g, s, 0);
+        LAB_CHECK(cudaDeviceSynchronize());
+        const std::vector<float> y = lab_fetch<float>(s.y, (size_t) WG_COLS * g.rows);
+        double                   worst = 0.0;
+        for (int i = 0; i < 97; i++) {
+            const int row = i == 0 ? 0 : (i == 1 ? g.rows - 1 : (int) ((uint64_t) i * 2654435761u % g.rows));
+            for (int col = 0; col < WG_COLS; col++) {
+                double ref = 0.0, mag = 0.0;
+                for (int j = 0; j < 32 * s.nkb; j++) {
+                    const q4_0_block & b  = s.host_w[(size_t) row * s.nkb + j / 32];
+                    const int          jj = j % 32;
+                    const int          q  = jj < 16 ? (b.qs[jj] & 15) : (b.qs[jj - 16] >> 4);
+                    const double       t  = __half2float(b.d) * (q - 8) * s.host_x[(size_t) col * g.k + j];
+                    ref += t;
+                    mag += fabs(t);
+                }
+                const double got = y[(size_t) col * g.rows + row];
+                worst = std::max(worst, std::isfinite(got) ? fabs(got - ref) / (mag + 1e-30) : 1e30);
+            }
+        }
+        return worst;
+    }
+};
+
+// a step's launches of each group, cycling through the weight sets: per group ms (summed over repeats)
+static float wg_time_step(const wg_runner & run, const std::vector<wg_group> & plan, std::vector<wg_state> & gs,
+                          const int repeats, const bool convert, std::vector<float> & group_ms) {
+    cudaEvent_t e0, e1;
+    LAB_CHECK(cudaEventCreate(&e0));
+    LAB_CHECK(cudaEventCreate(&e1));
+    float step_ms = 0.0f;
+    for (int r = 0; r < repeats; r++) {
+        for (size_t gi = 0; gi < plan.size(); gi++) {
+            LAB_CHECK(cudaEventRecord(e0));
+            for (int l = 0; l < plan[gi].launches; l++) {
+                run.launch(plan[gi], gs[gi], l % LAB_SETS, convert);
+            }
+            LAB_CHECK(cudaEventRecord(e1));
+            LAB_CHECK(cudaEventSynchronize(e1));
+            float ms = 0.0f;
+            LAB_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+            group_ms[gi] += ms;
+            step_ms += ms;
+        }
+    }
+    LAB_CHECK(cudaGetLastError());
+    return step_ms / repeats;
+}
+
 int main(int argc, char ** argv) {
     const int repeats = argc >= 2 ? atoi(argv[1]) : 0;
     const int wg      = argc >= 3 ? atoi(argv[2]) : 1;
@@ -376,141 +516,39 @@ int main(int argc, char ** argv) {
         { "gdn_in", 16512, 5120, 48 },  { "attn_in", 14336, 5120, 16 }, { "out", 5120, 6144, 64 },
         { "ffn_gate_up", 34816, 5120, 64 }, { "ffn_down", 5120, 17408, 64 },
     };
-    const size_t stage = (size_t) wg * WG_SB * WG_TILE_BYTES + WG_SB * WG_B_BYTES;
-    const size_t smem  = WG_STAGES * stage;
-    auto kernel = wg == 1 ? wg_mm<1> : wg_mm<2>;
-    LAB_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+    wg_runner run;
+    run.kernel  = wg == 1 ? wg_mm<1> : wg_mm<2>;
+    run.threads = 128 * wg;
+    run.smem    = WG_STAGES * ((size_t) wg * WG_SB * WG_TILE_BYTES + WG_SB * WG_B_BYTES);
+    LAB_CHECK(cudaFuncSetAttribute(run.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) run.smem));
     int occupancy = 0;
-    LAB_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, kernel, 128 * wg, smem));
+    LAB_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, run.kernel, run.threads, run.smem));
     if (occupancy < 1) {
-        fprintf(stderr, "wg_lab: the kernel does not fit an SM (%zu bytes of shared memory)\n", smem);
+        fprintf(stderr, "wg_lab: the kernel does not fit an SM (%zu bytes of shared memory)\n", run.smem);
         return 1;
     }
-
-    struct gstate {
-        std::vector<char *> w;  // LAB_SETS repacked weight sets
-        half *              x = nullptr;
-        float *             xf = nullptr;  // the f32 activations the conversion reads
-        float *             y = nullptr;
-        float *             partials = nullptr;
-        unsigned int *      counters = nullptr;
-        int                 nkb = 0, ctas = 0, kslices = 1, kslice_blocks = 0;
-        std::vector<q4_0_block> host_w;  // set 0, for the reference
-        std::vector<float>      host_x;
-    };
-    std::vector<gstate> gs(plan.size());
+    std::vector<wg_state> gs(plan.size());
     for (size_t gi = 0; gi < plan.size(); gi++) {
-        const wg_group & g = plan[gi];
-        gstate &         s = gs[gi];
-        s.nkb              = g.k / 32;
-        if (g.k % (32 * WG_SB) != 0) {
-            fprintf(stderr, "wg_lab: %s: K %d is not a multiple of %d (whole stages only)\n", g.name, g.k, 32 * WG_SB);
+        if (plan[gi].k % (32 * WG_SB) != 0) {
+            fprintf(stderr, "wg_lab: %s: K %d is not a multiple of %d (whole stages only)\n", plan[gi].name,
+                    plan[gi].k, 32 * WG_SB);
             return 1;
         }
-        const int ntiles   = (g.rows + WG_TILE_ROWS - 1) / WG_TILE_ROWS;
-        const int nctas_x  = (ntiles + wg - 1) / wg;
-        // K slices: fewest waves x (chunks a CTA + 2), as the library's tensor-core launcher chooses
-        const int cap = occupancy * nsm, nch = (s.nkb + WG_SB - 1) / WG_SB;
-        double    best = 1e30;
-        for (int ks = 1; ks <= 8; ks++) {
-            const int    per  = (nch + ks - 1) / ks;
-            const double cost = (double) ((nctas_x * ks + cap - 1) / cap) * (per + 2);
-            if (cost < best) {
-                best = cost, s.kslices = ks, s.kslice_blocks = per * WG_SB;
-            }
-        }
-        s.kslices = (s.nkb + s.kslice_blocks - 1) / s.kslice_blocks;
-        s.ctas    = nctas_x;
-        const size_t nblk = (size_t) ntiles * WG_TILE_ROWS * s.nkb;  // padded rows: zero scales past g.rows
-        q4_0_block * plain;
-        LAB_CHECK(cudaMalloc(&plain, nblk * sizeof(q4_0_block)));
-        for (int set = 0; set < LAB_SETS; set++) {
-            std::vector<q4_0_block> h((size_t) g.rows * s.nkb);
-            fill_random(h, (uint32_t) (gi * 131 + set * 7919 + 1));
-            LAB_CHECK(cudaMemcpy(plain, h.data(), h.size() * sizeof(q4_0_block), cudaMemcpyHostToDevice));
-            char * rep;
-            const size_t rep_bytes = (size_t) ((ntiles + wg - 1) / wg * wg) * s.nkb * WG_TILE_BYTES;
-            LAB_CHECK(cudaMalloc(&rep, rep_bytes));
-            LAB_CHECK(cudaMemset(rep, 0, rep_bytes));
-            const int64_t items = (int64_t) ntiles * s.nkb * 128;
-            wg_repack<<<(unsigned) ((items + 255) / 256), 256>>>(plain, rep, g.rows, s.nkb);
-            LAB_CHECK(cudaGetLastError());
-            s.w.push_back(rep);
-            if (set == 0) {
-                s.host_w = h;
-            }
-        }
-        LAB_CHECK(cudaFree(plain));
-        s.host_x.resize((size_t) WG_COLS * g.k);
-        for (size_t i = 0; i < s.host_x.size(); i++) {
-            const uint32_t hh = ((uint32_t) i * 2246822519u) ^ (uint32_t) gi;
-            s.host_x[i]       = __half2float(__float2half((float) (hh % 2001) / 1000.0f - 1.0f));
-        }
-        LAB_CHECK(cudaMalloc(&s.xf, s.host_x.size() * sizeof(float)));
-        LAB_CHECK(cudaMemcpy(s.xf, s.host_x.data(), s.host_x.size() * sizeof(float), cudaMemcpyHostToDevice));
-        LAB_CHECK(cudaMalloc(&s.x, (size_t) WG_COLS * g.k * sizeof(half)));
-        wg_convert_x<<<(unsigned) (((int64_t) WG_COLS * g.k + 255) / 256), 256>>>(s.xf, s.x, g.k, WG_COLS);
-        LAB_CHECK(cudaGetLastError());
-        LAB_CHECK(cudaMalloc(&s.y, (size_t) WG_COLS * g.rows * sizeof(float)));
-        if (s.kslices > 1) {
-            LAB_CHECK(cudaMalloc(&s.partials, (size_t) s.kslices * WG_COLS * g.rows * sizeof(float)));
-            LAB_CHECK(cudaMalloc(&s.counters, (size_t) s.ctas * sizeof(unsigned int)));
-            LAB_CHECK(cudaMemset(s.counters, 0, (size_t) s.ctas * sizeof(unsigned int)));
-        }
+        wg_setup(plan[gi], gi, wg, occupancy * nsm, gs[gi]);
     }
     LAB_CHECK(cudaDeviceSynchronize());
 
-    uint32_t lbo = 128, sbo = 256;  // k-direction core stride in LBO; swapped below if that is wrong
-    // convert: the activations' f16 conversion launched before the product, as the library would
-    auto launch = [&](const size_t gi, const int set, const bool convert = false) {
-        gstate & s = gs[gi];
-        if (convert) {
-            const int64_t n = (int64_t) WG_COLS * plan[gi].k;
-            wg_convert_x<<<(unsigned) ((n + 255) / 256), 256>>>(s.xf, s.x, plan[gi].k, WG_COLS);
-        }
-        kernel<<<dim3(s.ctas, s.kslices), 128 * wg, smem>>>(s.w[set], s.x, s.y, plan[gi].rows, s.nkb, s.kslice_blocks,
-                                                             lbo, sbo, s.partials, s.counters);
-    };
-    // the host reference on sampled rows (double; the f16 activations as the kernel sees them)
-    auto check = [&](const size_t gi) -> double {
-        const wg_group & g = plan[gi];
-        gstate &         s = gs[gi];
-        LAB_CHECK(cudaMemset(s.y, 0xff, (size_t) WG_COLS * g.rows * sizeof(float)));  // NaN: every output written
-        launch(gi, 0);
-        LAB_CHECK(cudaDeviceSynchronize());
-        const std::vector<float> y = lab_fetch<float>(s.y, (size_t) WG_COLS * g.rows);
-        double                   worst = 0.0;
-        for (int i = 0; i < 97; i++) {
-            const int row = i == 0 ? 0 : (i == 1 ? g.rows - 1 : (int) ((uint64_t) i * 2654435761u % g.rows));
-            for (int col = 0; col < WG_COLS; col++) {
-                double ref = 0.0, mag = 0.0;
-                for (int kb = 0; kb < s.nkb; kb++) {
-                    const q4_0_block & b = s.host_w[(size_t) row * s.nkb + kb];
-                    const double       d = __half2float(b.d);
-                    for (int j = 0; j < 32; j++) {
-                        const int    q  = j < 16 ? (b.qs[j] & 15) : (b.qs[j - 16] >> 4);
-                        const double xv = s.host_x[(size_t) col * g.k + kb * 32 + j];
-                        ref += d * (q - 8) * xv;
-                        mag += fabs(d * (q - 8) * xv);
-                    }
-                }
-                const double got = y[(size_t) col * g.rows + row];
-                worst = std::max(worst, std::isfinite(got) ? fabs(got - ref) / (mag + 1e-30) : 1e30);
-            }
-        }
-        return worst;
-    };
     const double tol = 2e-3;  // f16 weights d (q - 8): one rounding each, 2^-11 relative
-    double       err = check(0);
-    printf("{\"kind\": \"layout\", \"lbo\": %u, \"sbo\": %u, \"max_rel\": %.3e}\n", lbo, sbo, err);
+    double       err = run.check(plan[0], gs[0]);
+    printf("{\"kind\": \"layout\", \"lbo\": %u, \"sbo\": %u, \"max_rel\": %.3e}\n", run.lbo, run.sbo, err);
     if (!(err <= tol)) {
-        std::swap(lbo, sbo);
-        err = check(0);
-        printf("{\"kind\": \"layout\", \"lbo\": %u, \"sbo\": %u, \"max_rel\": %.3e}\n", lbo, sbo, err);
+        std::swap(run.lbo, run.sbo);
+        err = run.check(plan[0], gs[0]);
+        printf("{\"kind\": \"layout\", \"lbo\": %u, \"sbo\": %u, \"max_rel\": %.3e}\n", run.lbo, run.sbo, err);
     }
-    bool ok = err <= tol;
+    bool ok = true;
     for (size_t gi = 0; gi < plan.size(); gi++) {
-        const double e = gi == 0 ? err : check(gi);
+        const double e = gi == 0 ? err : run.check(plan[gi], gs[gi]);
         ok             = ok && e <= tol;
         printf("{\"kind\": \"check\", \"group\": \"%s\", \"k_slices\": %d, \"ctas\": %d, \"max_rel\": %.3e, "
                "\"ok\": %s}\n",
@@ -520,40 +558,10 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "wg_lab: the products differ from the host reference (max relative error above %.0e)\n", tol);
         return 1;
     }
-
-    cudaEvent_t e0, e1;
-    LAB_CHECK(cudaEventCreate(&e0));
-    LAB_CHECK(cudaEventCreate(&e1));
-    for (int warm = 0; warm < 2; warm++) {
-        for (size_t gi = 0; gi < plan.size(); gi++) {
-            for (int l = 0; l < plan[gi].launches; l++) {
-                launch(gi, l % LAB_SETS);
-            }
-        }
-    }
-    std::vector<float> group_ms(plan.size(), 0.0f);
-    float              step_ms = 0.0f, step_conv_ms = 0.0f;
-    for (int convert = 0; convert < 2; convert++) {
-        for (int r = 0; r < repeats; r++) {
-            for (size_t gi = 0; gi < plan.size(); gi++) {
-                LAB_CHECK(cudaEventRecord(e0));
-                for (int l = 0; l < plan[gi].launches; l++) {
-                    launch(gi, l % LAB_SETS, convert == 1);
-                }
-                LAB_CHECK(cudaEventRecord(e1));
-                LAB_CHECK(cudaEventSynchronize(e1));
-                float ms = 0.0f;
-                LAB_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-                if (convert == 0) {
-                    group_ms[gi] += ms;
-                    step_ms += ms;
-                } else {
-                    step_conv_ms += ms;
-                }
-            }
-        }
-    }
-    LAB_CHECK(cudaGetLastError());
+    std::vector<float> group_ms(plan.size(), 0.0f), unused(plan.size(), 0.0f);
+    wg_time_step(run, plan, gs, 2, false, unused);  // warm-up
+    const float step_ms      = wg_time_step(run, plan, gs, repeats, false, group_ms);
+    const float step_conv_ms = wg_time_step(run, plan, gs, repeats, true, unused);
     for (size_t gi = 0; gi < plan.size(); gi++) {
         const double us    = 1000.0 * group_ms[gi] / (repeats * plan[gi].launches);
         const double bytes = (double) plan[gi].rows * plan[gi].k / 32 * 18;
@@ -562,6 +570,6 @@ int main(int argc, char ** argv) {
     }
     printf("{\"kind\": \"step\", \"columns\": 16, \"wg\": %d, \"ctas_per_sm\": %d, \"step_ms\": %.4f, "
            "\"step_ms_with_convert\": %.4f}\n",
-           wg, occupancy, step_ms / repeats, step_conv_ms / repeats);
+           wg, occupancy, step_ms, step_conv_ms);
     return 0;
 }
