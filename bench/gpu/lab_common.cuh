@@ -1,5 +1,5 @@
-// Shared by the lab programs (copy_lab.cu, gdn_lab.cu, mmr_lab.cu): a CUDA call that fails stops the
-// program with its place and message; with LAB_GGML_STUBS (the labs that include a patched ggml-cuda
+// Shared by the lab programs (copy_lab.cu, gdn_lab.cu, mmr_lab.cu, wg_lab.cu): a CUDA call that fails stops
+// the program with its place and message; a step's launches timed group by group (lab_time_groups); with LAB_GGML_STUBS (the labs that include a patched ggml-cuda
 // source file), the host functions of libggml-base / ggml-cuda that the included launchers name and
 // both labs need, as stubs that stop the program (the labs launch the kernels themselves, so none runs),
 // except ggml_cuda_get_device, which the launch helper the launchers share calls
@@ -25,6 +25,35 @@ template <typename T> static std::vector<T> lab_fetch(const void * d, size_t n) 
     std::vector<T> h(n);
     LAB_CHECK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
     return h;
+}
+
+// a step timed group by group with events, repeats times: launch(gi, l) for l < launches(gi) of each of
+// ngroups groups; each group's ms added to group_ms[gi]; returns the step's ms, the mean over the repeats
+template <typename N, typename L>
+static float lab_time_groups(const int repeats, const size_t ngroups, N launches, L launch,
+                             std::vector<float> & group_ms) {
+    cudaEvent_t e0, e1;
+    LAB_CHECK(cudaEventCreate(&e0));
+    LAB_CHECK(cudaEventCreate(&e1));
+    float step_ms = 0.0f;
+    for (int r = 0; r < repeats; r++) {
+        for (size_t gi = 0; gi < ngroups; gi++) {
+            LAB_CHECK(cudaEventRecord(e0));
+            for (int l = 0; l < launches(gi); l++) {
+                launch(gi, l);
+            }
+            LAB_CHECK(cudaEventRecord(e1));
+            LAB_CHECK(cudaEventSynchronize(e1));
+            float ms = 0.0f;
+            LAB_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+            group_ms[gi] += ms;
+            step_ms += ms;
+        }
+    }
+    LAB_CHECK(cudaGetLastError());
+    LAB_CHECK(cudaEventDestroy(e0));
+    LAB_CHECK(cudaEventDestroy(e1));
+    return step_ms / repeats;
 }
 
 #ifdef LAB_GGML_STUBS

@@ -309,9 +309,6 @@ int main(int argc, char ** argv) {
                plan[gi].name, ks, sum, sq);
     }
     // a step: each group's launches, cycling through its weight sets
-    cudaEvent_t e0, e1;
-    LAB_CHECK(cudaEventCreate(&e0));
-    LAB_CHECK(cudaEventCreate(&e1));
     for (int warm = 0; warm < 2; warm++) {
         for (size_t gi = 0; gi < plan.size(); gi++) {
             for (int l = 0; l < plan[gi].launches; l++) {
@@ -320,27 +317,14 @@ int main(int argc, char ** argv) {
         }
     }
     std::vector<float> group_ms(plan.size(), 0.0f);
-    float              step_ms = 0.0f;
-    for (int r = 0; r < repeats; r++) {
-        for (size_t gi = 0; gi < plan.size(); gi++) {
-            LAB_CHECK(cudaEventRecord(e0));
-            for (int l = 0; l < plan[gi].launches; l++) {
-                launch(gi, l % LAB_SETS);
-            }
-            LAB_CHECK(cudaEventRecord(e1));
-            LAB_CHECK(cudaEventSynchronize(e1));
-            float ms = 0.0f;
-            LAB_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-            group_ms[gi] += ms;
-            step_ms += ms;
-        }
-    }
-    LAB_CHECK(cudaGetLastError());
+    const float        step_ms = lab_time_groups(
+        repeats, plan.size(), [&](size_t gi) { return plan[gi].launches; },
+        [&](size_t gi, int l) { launch(gi, l % LAB_SETS); }, group_ms);
     for (size_t gi = 0; gi < plan.size(); gi++) {
         printf("{\"kind\": \"group\", \"group\": \"%s\", \"launches\": %d, \"us\": %.3f}\n", plan[gi].name,
                plan[gi].launches, 1000.0f * group_ms[gi] / (repeats * plan[gi].launches));
     }
     printf("{\"kind\": \"step\", \"columns\": %d, \"form\": %d, \"blocks_per_sm\": %d, \"step_ms\": %.4f}\n", ncols,
-           decode ? 0 : (bulk ? 3 : 1), decode ? 0 : occupancy, step_ms / repeats);
+           decode ? 0 : (bulk ? 3 : 1), decode ? 0 : occupancy, step_ms);
     return 0;
 }

@@ -473,26 +473,9 @@ struct wg_runner {
 // a step's launches of each group, cycling through the weight sets: per group ms (summed over repeats)
 static float wg_time_step(const wg_runner & run, const std::vector<wg_group> & plan, std::vector<wg_state> & gs,
                           const int repeats, const bool convert, std::vector<float> & group_ms) {
-    cudaEvent_t e0, e1;
-    LAB_CHECK(cudaEventCreate(&e0));
-    LAB_CHECK(cudaEventCreate(&e1));
-    float step_ms = 0.0f;
-    for (int r = 0; r < repeats; r++) {
-        for (size_t gi = 0; gi < plan.size(); gi++) {
-            LAB_CHECK(cudaEventRecord(e0));
-            for (int l = 0; l < plan[gi].launches; l++) {
-                run.launch(plan[gi], gs[gi], l % LAB_SETS, convert);
-            }
-            LAB_CHECK(cudaEventRecord(e1));
-            LAB_CHECK(cudaEventSynchronize(e1));
-            float ms = 0.0f;
-            LAB_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-            group_ms[gi] += ms;
-            step_ms += ms;
-        }
-    }
-    LAB_CHECK(cudaGetLastError());
-    return step_ms / repeats;
+    return lab_time_groups(
+        repeats, plan.size(), [&](size_t gi) { return plan[gi].launches; },
+        [&](size_t gi, int l) { run.launch(plan[gi], gs[gi], l % LAB_SETS, convert); }, group_ms);
 }
 
 int main(int argc, char ** argv) {
