@@ -86,12 +86,10 @@ class BuildTarget:
                 f"-DCMAKE_CUDA_ARCHITECTURES={self.arch}",
                 "-DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL",
             ]
-            if NATIVE_CPU_FLAGS:
-                args += [f"-DCMAKE_C_FLAGS={NATIVE_CPU_FLAGS}", f"-DCMAKE_CXX_FLAGS={NATIVE_CPU_FLAGS}"]
         else:
             args += [f"-DGGML_NATIVE={'OFF' if self.arch == 'portable' else 'ON'}"]
-            if self.arch != "portable" and NATIVE_CPU_FLAGS:
-                args += [f"-DCMAKE_C_FLAGS={NATIVE_CPU_FLAGS}", f"-DCMAKE_CXX_FLAGS={NATIVE_CPU_FLAGS}"]
+        if self.arch != "portable" and NATIVE_CPU_FLAGS:  # every -march=native build (CUDA ones too)
+            args += [f"-DCMAKE_C_FLAGS={NATIVE_CPU_FLAGS}", f"-DCMAKE_CXX_FLAGS={NATIVE_CPU_FLAGS}"]
         return args
 
 

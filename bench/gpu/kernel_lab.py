@@ -151,7 +151,7 @@ def wg_table(rows: list[dict]) -> str:
 
 def wg_arg(text: str) -> list[int]:
     values = text.split(",")
-    if not values or any(v not in ("1", "2") for v in values):
+    if any(v not in ("1", "2") for v in values):
         raise SystemExit(f"--wg {text!r}: expected a comma list of 1 and / or 2 (warpgroups a CTA)")
     return [int(v) for v in values]
 
