@@ -9,8 +9,10 @@
 // other here, and the winners in the real step). Each group's output checksum is printed so two
 // settings' runs can be compared (bench/gpu/kernel_lab.py mmr does). The settings the kernels read
 // from the environment (MC_MMR_*, MC_MMV_*) apply as in the library. Output: one JSON object a line.
-// MC_MMR_FORM=4 (patch 0024): the warpgroup kernel mc_mmw_q4_0 on the same copies, its activations by
-// mc_mmw_convert_y (sm_90 and a lab built for 90a; else the program says so and exits 2).
+// MC_MMR_FORM=4 (patch 0024): the warpgroup kernel mc_mmw_q4_0 on the copies in its own order
+// (mc_mmr_repack's interleave), its activations by mc_mmw_convert_y, K slices as a cluster
+// (mc_mmw_launch_kernel; MC_MMW_KSLICES_MAX caps them) (sm_90 and a lab built for 90a; else the
+// program says so and exits 2).
 // Usage: mmr_lab REPEATS COLUMNS (COLUMNS 1 or 9..16)
 #include "mc-mmv.cu"
 #define LAB_GGML_STUBS
@@ -165,7 +167,8 @@ int main(int argc, char ** argv) {
     }
     const auto kernel = bulk ? mc_mmr_q4_0<2, 3, true> : mc_mmr_q4_0<2, 3, false>;
     const auto       wkernel = mc_mmw_q4_0;
-    const size_t     smem    = wgmma ? (size_t) MC_MMW_STAGES * MC_MMW_STAGE : (size_t) 3 * MC_MMQ_WARPS * MC_MMR_ITEMS(2) * 512;
+    const size_t     smem    = (wgmma ? (size_t) MC_MMW_STAGES * MC_MMW_STAGE : (size_t) 3 * MC_MMQ_WARPS * MC_MMR_ITEMS(2) * 512) +
+                        MC_SMEM_PAD;
     int              occupancy = 0;
     if (wgmma) {
         LAB_CHECK(cudaFuncSetAttribute(wkernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
@@ -215,7 +218,7 @@ int main(int argc, char ** argv) {
                     lab_fill_q4_0<<<(unsigned) ((nblocks + 255) / 256), 256>>>((block_q4_0 *) scratch, nblocks, seed);
                     const int64_t npieces = (int64_t) g.rows[p] / 16 * nquads * 72;
                     mc_mmr_repack<<<(unsigned) ((npieces + 255) / 256), 256>>>(
-                        scratch, copy, (int64_t) (g.k / QK4_0) * sizeof(block_q4_0), nquads, npieces);
+                        scratch, copy, (int64_t) (g.k / QK4_0) * sizeof(block_q4_0), nquads, npieces, wgmma ? 1 : 0);
                 }
                 LAB_CHECK(cudaGetLastError());
                 float * d;
@@ -272,13 +275,11 @@ int main(int argc, char ** argv) {
         }
         const int ntiles  = mc_group_tiles(grp, MC_MMQ_ROWS);
         const int nquads  = g.k / 128;
-        if (wgmma) {  // as mc_mmw_launch: K slices in quads
-            const int wks = mc_mmq_kslices(ntiles, nquads, occupancy * nsm);
-            const int per = (nquads + wks - 1) / wks;
+        if (wgmma) {  // as mc_mmw_launch: K slices in quads, a cluster of them (no PDL here)
+            const int per = mc_mmw_kslice_quads(ntiles, nquads, occupancy * nsm);
             const int gy  = (nquads + per - 1) / per;
-            const int region = (int) (launches++ % MC_MMQ_COUNTER_REGIONS);
-            wkernel<<<dim3(ntiles, gy, 1), MC_MMQ_THREADS, smem>>>(grp, ys[gi], gy > 1 ? partials : nullptr, region,
-                                                                   nullptr, ncols, nquads, per, mc_kernel_flags());
+            mc_mmw_launch_kernel(dim3(ntiles, gy, 1), smem, 0, false, grp, ys[gi], nullptr, ncols, nquads, per,
+                                 mc_kernel_flags());
             return gy;
         }
         const int nchunks = nquads / 4;

@@ -3,9 +3,10 @@ core-matrix layout, the byte selectors and nibble expansion of the A fragments, 
 ISA documents its operands (A: the m16k16 fragment of each warp; B: core matrices of 8 x 16 bytes
 addressed by the descriptor's K-direction (leading) and N-direction (stride) byte offsets; D: rows
 g / g + 8, columns 2t, 2t + 1 of each 8) must give W x for one 64-row tile over several blocks; and
-patch 0024's library form, which reads the same operands out of the copies' tiles (mc_mmr_repack's
-layout). What only the GPU can tell (that the hardware reads the operands this way) the lab checks
-against a host reference on the H200; this test keeps the arithmetic both rely on honest."""
+patch 0025's library form, which reads the same operands out of the copies' tiles (mc_mmr_repack's
+layout, in its interleaved order). What only the GPU can tell (that the hardware reads the operands
+this way) the lab checks against a host reference on the H200; this test keeps the arithmetic both
+rely on honest."""
 
 from __future__ import annotations
 
@@ -145,16 +146,25 @@ def test_the_k_permutation_is_one_to_one_and_matches_the_fragment():
         ]
 
 
-def repack_copies(qs: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """The library's copies (mc_mmr_repack, patch 0015): tile (16-row tile mt, quad q) at (mt * nquads + q)
-    * 1152; piece p < 64 (lane 4 g + t, half h = p / 32): byte 4 j + b = qs byte 4 t + b of block 4 q + j of
-    row 16 mt + g + 8 h; piece 64 + g: halves 4 h + j = d of block 4 q + j of row 16 mt + g + 8 h."""
+def tile_at(mt: int, q: int, nmt: int, nquads: int, interleave: bool) -> int:
+    """mc_mmr_repack's tile index of (16-row tile mt, quad q): mt * nquads + q, or interleaved (patch
+    0025) 4 (mt / 4) nquads + q nsub + mt % 4, nsub the 64 rows' tiles (fewer in the last 64)."""
+    if not interleave:
+        return mt * nquads + q
+    nsub = min(4, nmt - mt // 4 * 4)
+    return mt // 4 * 4 * nquads + q * nsub + mt % 4
+
+
+def repack_copies(qs: np.ndarray, d: np.ndarray, interleave: bool = False) -> np.ndarray:
+    """The library's copies (mc_mmr_repack, patch 0015): tile (16-row tile mt, quad q) at tile_at * 1152;
+    piece p < 64 (lane 4 g + t, half h = p / 32): byte 4 j + b = qs byte 4 t + b of block 4 q + j of row
+    16 mt + g + 8 h; piece 64 + g: halves 4 h + j = d of block 4 q + j of row 16 mt + g + 8 h."""
     rows, nkb, _ = qs.shape
     nquads = nkb // 4
     out = np.zeros(rows // 16 * nquads * TILE_BYTES, np.uint8)
     for mt in range(rows // 16):
         for q in range(nquads):
-            tile = out[(mt * nquads + q) * TILE_BYTES :][:TILE_BYTES]
+            tile = out[tile_at(mt, q, rows // 16, nquads, interleave) * TILE_BYTES :][:TILE_BYTES]
             for p in range(64):
                 g, t, h = p % 32 // 4, p % 4, p // 32
                 for j in range(4):
@@ -169,33 +179,51 @@ def repack_copies(qs: np.ndarray, d: np.ndarray) -> np.ndarray:
     return out
 
 
+def test_the_interleaved_copies_hold_the_same_tiles():
+    """The interleaved order is a permutation of the plain one's tiles: the same bytes, the same size,
+    each 64 rows' quad one contiguous run of its tiles (the rows not a multiple of 64 included)."""
+    for nmt, nquads in ((7, 3), (8, 2), (1, 5), (5, 1)):
+        at = [tile_at(mt, q, nmt, nquads, True) for mt in range(nmt) for q in range(nquads)]
+        assert sorted(at) == list(range(nmt * nquads))
+        for mt0 in range(0, nmt, 4):
+            for q in range(nquads):
+                run = [tile_at(mt, q, nmt, nquads, True) for mt in range(mt0, min(nmt, mt0 + 4))]
+                assert run == list(range(run[0], run[0] + len(run)))
+
+
 def test_the_library_form_reads_the_copies_layout():
-    """Patch 0024's kernel (mc_mmw_q4_0) on the copies: warp w of a CTA at row0 reads tile (row0 / 16 + w,
-    quad) at lane * 16 (row g), 512 + lane * 16 (row g + 8) and 1024 + g * 16 (the 8 scales), block j of
-    the quad being word j of each piece; the activations as mc_mmw_convert_y writes them (the lab's)."""
+    """Patch 0025's kernel (mc_mmw_q4_0) on the interleaved copies: the CTA at row0 (nmt tiles) reads
+    quad c's nmt * 1152 bytes at (row0 / 16) nquads * 1152 + c nmt * 1152 in one bulk copy; warp w reads
+    tile w of it at lane * 16 (row g), 512 + lane * 16 (row g + 8) and 1024 + g * 16 (the 8 scales),
+    block j of the quad being word j of each piece; the activations as mc_mmw_convert_y writes them
+    (the lab's). 112 rows: a second CTA of 3 tiles."""
     rng = np.random.default_rng(11)
-    rows, nkb = 128, 8  # two CTAs of 64 rows, two quads
+    rows, nkb = 112, 8  # two CTAs (64 and 48 rows), two quads
     qs = rng.integers(0, 256, (rows, nkb, 16), dtype=np.uint8)
     d = rng.uniform(0.001, 0.02, (rows, nkb)).astype(np.float16)
     x = rng.uniform(-1, 1, (COLS, 32 * nkb)).astype(np.float16).astype(np.float32)
     q = np.concatenate([qs & 15, qs >> 4], axis=2).astype(np.float64) - 8
     w = (q * d[..., None].astype(np.float64)).astype(np.float16).astype(np.float64).reshape(rows, 32 * nkb)
     ref = w @ x.T.astype(np.float64)
-    copies, bt, nquads = repack_copies(qs, d), convert_x(x).view(np.uint8), nkb // 4
+    copies, bt, nquads = repack_copies(qs, d, interleave=True), convert_x(x).view(np.uint8), nkb // 4
     got = np.zeros((rows, COLS))
     for row0 in range(0, rows, 64):
+        nmt = min(64, rows - row0) // 16
         for kb in range(nkb):
             quad, j = kb // 4, kb % 4
+            stage = copies[(row0 // 16 * nquads + quad * nmt) * TILE_BYTES :][: nmt * TILE_BYTES]
 
-            def fetch(warp: int, lane: int, quad=quad, j=j, row0=row0) -> tuple:
-                tile = copies[((row0 // 16 + warp) * nquads + quad) * TILE_BYTES :][:TILE_BYTES]
+            def fetch(warp: int, lane: int, stage=stage, j=j, nmt=nmt) -> tuple:
+                if warp >= nmt:  # past the rows: the kernel's zero fragments
+                    return 0, 0, np.float16(0), np.float16(0)
+                tile = stage[warp * TILE_BYTES :][:TILE_BYTES]
                 w0 = int(tile[lane * 16 : lane * 16 + 16].view(np.uint32)[j])
                 w1 = int(tile[512 + lane * 16 : 512 + lane * 16 + 16].view(np.uint32)[j])
                 sc = tile[1024 + lane // 4 * 16 :][:16].view(np.float16)
                 return w0, w1, sc[j], sc[4 + j]
 
             for part in range(2):
-                got[row0 : row0 + 64] += a_matrix(fetch, part) @ b_matrix(
-                    bt[kb * B_BYTES + part * 512 :][:512]
-                )
+                got[row0 : row0 + 64] += (
+                    a_matrix(fetch, part) @ b_matrix(bt[kb * B_BYTES + part * 512 :][:512])
+                )[: min(64, rows - row0)]
     assert np.allclose(got, ref, rtol=1e-9, atol=1e-9)

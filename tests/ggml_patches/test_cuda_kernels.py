@@ -103,11 +103,12 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
 
 
 def test_the_warpgroup_form_compiles_for_sm_90a_and_is_wired(patched, tmp_path):
-    """Patch 0024 (MC_MMR_FORM=4, off by default until measured in the library): the copies' products
-    on sm_90a's asynchronous warpgroup MMAs. For sm_90a the kernel holds the MMAs (66 registers in
-    the lab's form, no spills, 4 CTAs of 128 threads an SM); elsewhere (sm_90, sm_120: the tests
+    """Patch 0025 (MC_MMR_FORM=4, off by default: measured slower than form 3, bench/NOTES.md): the
+    copies' products on sm_90a's asynchronous warpgroup MMAs. For sm_90a the kernel holds the MMAs
+    (66 registers, no spills, 4 CTAs of 128 threads an SM); elsewhere (sm_90, sm_120: the tests
     above) it compiles to nothing, and the host runs it only where a probe kernel, launched once a
-    device outside graph capture, says the build holds its code; else form 3 with a warning."""
+    device outside graph capture, says the build holds its code; else form 3 with a warning. The
+    copies are made in the form's own order then, and its K slices are one thread-block cluster."""
     out = compile_cuda(patched, "mc-mmv.cu", "90a", tmp_path, "-Xptxas", "-v")
     assert out.returncode == 0, out.stderr[-3000:]
     name = r"function '(_Z11mc_mmw_q4_0\w+)' for 'sm_90a'.*?(\d+) bytes spill stores.*?Used (\d+) registers"
@@ -121,17 +122,54 @@ def test_the_warpgroup_form_compiles_for_sm_90a_and_is_wired(patched, tmp_path):
     assert "Compiling entry function '_Z16mc_mmw_convert_y" in out.stderr
     source = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
     assert 'mc_env_int("MC_MMR_FORM", 1, 4, 3)' in source  # 3 stays the default
-    run = c_body(source, "static bool mc_mmr_run(")
-    assert "mc_mmr_form() == 4 && mc_mmw_ok[ctx.device] == 2" in run
+    on = c_body(source, "static bool mc_mmw_on(")
+    assert "mc_mmr_form() == 4 && mc_mmw_ok[device] == 2" in on
+    assert "if (mc_mmw_on(ctx.device))" in c_body(source, "static bool mc_mmr_run(")
+    # the copies in the form's order exactly where the form runs them (the same test)
+    assert "npieces, mc_mmw_on(ctx.device) ? 1 : 0)" in source
     prepare = c_body(source, "void ggml_cuda_mc_repack_prepare(")
     assert "cc == GGML_CUDA_CC_HOPPER" in prepare and "mc_mmw_probe<<<" in prepare
     assert prepare.index("mc_mmw_probe<<<") < prepare.index("cudaStreamSynchronize")
+    # the probe settles the form before any copy of this graph is made
+    assert prepare.index("mc_mmw_ok[ctx.device] = ") < prepare.index("ggml_graph_n_nodes")
     kernel = c_body(source, "static __global__ void mc_mmw_q4_0(")
     # weights' first stages before the PDL wait, activations after; the stage refilled only after its
-    # MMAs are done; slices finished as the f16 form's
+    # MMAs are done; K slices summed over the cluster's shared memory in slice order, and no CTA
+    # leaves before the others have read it
     assert kernel.index("issue_w(c)") < kernel.index("ggml_cuda_pdl_sync()") < kernel.index("issue_y(c)")
     assert kernel.index("wgmma.wait_group.sync.aligned 1") < kernel.index("issue_w(c - 1 + MC_MMW_STAGES)")
-    assert "mc_mmq_ksplit_finish(" in kernel
+    tail = kernel[kernel.index("wgmma.wait_group.sync.aligned 0") :]
+    assert tail.count("mc_cluster_sync()") == 2 and "mc_ld_cluster(p, (uint32_t) s)" in tail
+    assert "atomic" not in kernel and "partials" not in kernel
+    launch = c_body(source, "static void mc_mmw_launch_kernel(")
+    assert "cudaLaunchAttributeClusterDimension" in launch and "clusterDim.y = grid.y" in launch
+    assert "MC_MMW_MAX_SLICES 8" in source  # the portable cluster size
+    assert "std::min(mc_mmq_kslices(ntiles, nquads, slots), ks_max)" in source
+
+
+def test_bulk_copies_land_on_128_byte_lines(patched):
+    """Patch 0024: the kernels that fill shared memory with bulk copies address their stages from the
+    dynamic shared memory's first 128-byte boundary (the static mbarriers before it leave it 16-byte
+    aligned: a copy there reached L2 as one request a 32-byte sector, run AJ), and their launchers
+    allocate the padding."""
+    source = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
+    helper = c_body(source, "static __device__ __forceinline__ char * mc_smem_lines(")
+    assert "(128u - (mc_smem_addr(p) & 127u)) & 127u" in helper and "#define MC_SMEM_PAD 128" in source
+    for head in ("static __global__ void mc_mmr_q4_0(", "static __global__ void mc_mmw_q4_0("):
+        kernel = c_body(source, head)
+        assert "char * const                         smem = mc_smem_lines(mc_smem);" in kernel, head
+        assert re.search(r"\bmc_smem\s*\+", kernel) is None, head  # no stage from the unaligned base
+    for head in ("static void mc_mmr_launch(", "static void mc_mmw_launch("):
+        assert re.search(r"constexpr size_t smem\s+=.*\+ MC_SMEM_PAD;", c_body(source, head)), head
+    # every bulk copy (but the helper's definition) is made in one of those two kernels
+    spans = []
+    for head in ("static __global__ void mc_mmr_q4_0(", "static __global__ void mc_mmw_q4_0("):
+        start = source.index(head)
+        spans.append((start, source.index("\n}\n", start)))
+    calls = [m.start() for m in re.finditer(r"\bmc_bulk_copy\(", source)]
+    definition = source.index("void mc_bulk_copy(")
+    inside = [c for c in calls if any(a < c < b for a, b in spans)]
+    assert len(calls) >= 5 and sorted([*inside, definition + len("void ")]) == calls
 
 
 def c_body(source: str, head: str) -> str:
