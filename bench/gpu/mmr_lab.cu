@@ -278,20 +278,14 @@ int main(int argc, char ** argv) {
         if (wgmma) {  // as mc_mmw_launch: K slices in quads, a cluster of them (no PDL here)
             const int per = mc_mmw_kslice_quads(ntiles, nquads, occupancy * nsm);
             const int gy  = (nquads + per - 1) / per;
-            mc_launch_cluster_y(wkernel, dim3(ntiles, gy, 1), smem, 0, false, grp, ys[gi], (const float *) nullptr,
-                                ncols, nquads, per, mc_kernel_flags());
+            mc_mmw_launch_kernel(dim3(ntiles, gy, 1), smem, 0, false, grp, ys[gi], nullptr, ncols, nquads, per,
+                                 mc_kernel_flags());
             return gy;
         }
-        const int  nchunks = nquads / 4;
-        const bool cluster = bulk && mc_mmr_cluster();  // as mc_mmr_launch (bulk: an sm_90 or newer GPU)
-        const int  ks      = mc_mmr_kslices(ntiles, nchunks, occupancy * nsm, cluster);
-        const int  per     = (nchunks + ks - 1) / ks;
-        if (cluster) {
-            mc_launch_cluster_y(kernel, dim3(ntiles, ks, 1), smem, 0, false, grp, ys[gi], (float *) nullptr, 0,
-                                (const float *) nullptr, ncols, nquads, per, mc_kernel_flags());
-            return ks;
-        }
-        const int region = (int) (launches++ % MC_MMQ_COUNTER_REGIONS);
+        const int nchunks = nquads / 4;
+        const int ks      = mc_mmq_kslices(ntiles, nchunks, occupancy * nsm);
+        const int per     = (nchunks + ks - 1) / ks;
+        const int region  = (int) (launches++ % MC_MMQ_COUNTER_REGIONS);
         kernel<<<dim3(ntiles, ks, 1), MC_MMQ_THREADS, smem>>>(grp, ys[gi], ks > 1 ? partials : nullptr, region,
                                                               nullptr, ncols, nquads, per, mc_kernel_flags());
         return ks;
