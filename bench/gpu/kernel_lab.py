@@ -10,7 +10,7 @@ the side-by-side build, so a kernel change is timed in one short call. Writes JS
   mmr: bench/gpu/mmr_lab.cu, the Q4_0 products on the 27B's product groups, a step's 256 launches:
        --columns 9..16 the verify step's 2-tile repacked tensor-core kernel (mc_mmr_q4_0), --columns 1
        decode's dp4a kernel (mc_mmv_q4_0, the FFN's gate and up fused); under each --setting
-       (environment variables the kernels read, e.g. MC_MMR_FORM=1; MC_MMR_FORM=4, patch 0024's
+       (environment variables the kernels read, e.g. MC_MMR_FORM=1; MC_MMR_FORM=4, patch 0025's
        warpgroup kernel, with --arch 90a), rounds in alternating order; each setting's output
        checksums against the first setting's.
   wg: bench/gpu/wg_lab.cu, a standalone prototype (not in the patch series) of the 16-column product on

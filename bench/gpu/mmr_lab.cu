@@ -9,7 +9,7 @@
 // other here, and the winners in the real step). Each group's output checksum is printed so two
 // settings' runs can be compared (bench/gpu/kernel_lab.py mmr does). The settings the kernels read
 // from the environment (MC_MMR_*, MC_MMV_*) apply as in the library. Output: one JSON object a line.
-// MC_MMR_FORM=4 (patch 0024): the warpgroup kernel mc_mmw_q4_0 on the copies in its own order
+// MC_MMR_FORM=4 (patch 0025): the warpgroup kernel mc_mmw_q4_0 on the copies in its own order
 // (mc_mmr_repack's interleave), its activations by mc_mmw_convert_y, K slices as a cluster
 // (mc_mmw_launch_kernel; MC_MMW_KSLICES_MAX caps them) (sm_90 and a lab built for 90a; else the
 // program says so and exits 2).
@@ -146,7 +146,7 @@ int main(int argc, char ** argv) {
     int dev = 0, nsm = 0;
     LAB_CHECK(cudaGetDevice(&dev));
     LAB_CHECK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, dev));
-    // MC_MMR_FORM as the library reads it: 1, 3 or 4 (patch 0024's warpgroup kernel, sm_90 GPUs and a lab
+    // MC_MMR_FORM as the library reads it: 1, 3 or 4 (patch 0025's warpgroup kernel, sm_90 GPUs and a lab
     // built for 90a: kernel_lab.py mmr --arch 90a; its probe says whether this build holds its code)
     const int form = mc_mmr_form();
     cudaDeviceProp prop;
