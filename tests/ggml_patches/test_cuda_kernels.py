@@ -172,6 +172,26 @@ def test_bulk_copies_land_on_128_byte_lines(patched):
     assert len(calls) >= 5 and sorted([*inside, definition + len("void ")]) == calls
 
 
+def test_the_k_slices_last_cta_loads_its_partials_together_in_slice_order(patched):
+    """Patch 0026: the tile's last CTA loads E outputs' partials of U slices before adding any (the
+    loads no longer wait on each other one output at a time), and adds them in slice order into sums
+    that start at zero, as the one-at-a-time loop did (the same results to the bit: run AL's logits
+    equal run AJ's); the f16 form (registers short) keeps that loop."""
+    source = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
+    start = source.index("template <int E = 4, int U = 4>\nstatic __device__ void mc_mmq_ksplit_finish(")
+    body = source[start : source.index("\n}\n", start)]
+    batched = body[body.index("} else {") :]
+    loads = batched.index("__ldcg(partials + at)")
+    adds = batched.index("x[e] += v[u][e];  // slice order")
+    # every load of a round before the first add; slices outer (u), outputs inner (e), rounds of U
+    assert loads < adds and "for (int s0 = 0; s0 < ks; s0 += U)" in batched
+    assert batched.index("for (int u = 0; u < U; ++u)", loads) < adds
+    assert "x[e]        = 0.0f;" in batched and "if (s0 + u < ks)" in batched
+    assert "for (int s = 0; s < ks; ++s)" in body[: body.index("} else {")]  # the (1, 1) loop
+    calls = re.findall(r"mc_mmq_ksplit_finish(<1, 1>)?\(dst, partials", source)
+    assert calls == ["", "<1, 1>", ""], calls  # mc_mmq_q4_0, the f16 form (mc_mmh), the copies' form
+
+
 def c_body(source: str, head: str) -> str:
     """The text of the C++ function (or kernel) whose definition starts with head, up to its closing
     brace at the start of a line."""
