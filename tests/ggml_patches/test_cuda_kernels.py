@@ -161,6 +161,10 @@ def test_bulk_copies_land_on_128_byte_lines(patched):
         assert re.search(r"\bmc_smem\s*\+", kernel) is None, head  # no stage from the unaligned base
     for head in ("static void mc_mmr_launch(", "static void mc_mmw_launch("):
         assert re.search(r"constexpr size_t smem\s+=.*\+ MC_SMEM_PAD;", c_body(source, head)), head
+    # the dispatch picks 3 stages of two column tiles only where a block gets them with the pad
+    run = c_body(source, "static bool mc_mmr_run(")
+    assert "(size_t) 3 * MC_MMQ_WARPS * MC_MMR_ITEMS(2) * 512 + MC_SMEM_PAD;" in run
+    assert run.count("smpbo") == 1
     # every bulk copy (but the helper's definition) is made in one of those two kernels
     spans = []
     for head in ("static __global__ void mc_mmr_q4_0(", "static __global__ void mc_mmw_q4_0("):
