@@ -245,3 +245,61 @@ def test_the_repack_moves_every_byte_once():
     r = repack(w, 32, 512)
     assert r.size == w.size
     assert np.array_equal(np.sort(r), np.sort(w.reshape(-1)))
+
+
+def ksplit_finish(partials: np.ndarray, ncols: int, nrows: int, row0: int, nr: int, e_n: int, u_n: int):
+    """mc_mmq_ksplit_finish's read-back as patch 0026 writes it (the tile's last CTA, 128 threads):
+    thread tid takes outputs i0 + e * 128 (e < E) from i0 = tid in steps of E * 128, output i being
+    column i / nr, row i % nr; it loads U slices' partials of its E outputs, then adds them slice by
+    slice into sums from zero. Returns dst (columns x nrows, NaN where not written) and, per output,
+    the slices in the order they were added."""
+    ks = partials.shape[0]
+    dst = np.full((ncols, nrows), np.nan, np.float32)
+    order: dict[tuple[int, int], list[int]] = {}
+    flat = partials.reshape(ks, -1)
+    for tid in range(128):
+        for i0 in range(tid, ncols * nr, e_n * 128):
+            outs = []
+            for e in range(e_n):
+                i = i0 + e * 128
+                outs.append((i // nr, i - (i // nr) * nr) if i < ncols * nr else None)
+            x = [np.float32(0)] * e_n
+            for s0 in range(0, ks, u_n):
+                v = [
+                    [
+                        flat[s0 + u, o[0] * nrows + row0 + o[1]] if s0 + u < ks and o else np.float32(0)
+                        for o in outs
+                    ]
+                    for u in range(u_n)
+                ]
+                for u in range(u_n):
+                    for e, o in enumerate(outs):
+                        if s0 + u < ks:
+                            x[e] = np.float32(x[e] + v[u][e])
+                            if o:
+                                order.setdefault(o, []).append(s0 + u)
+            for e, o in enumerate(outs):
+                if o:
+                    assert np.isnan(dst[o[0], row0 + o[1]]), "written twice"
+                    dst[o[0], row0 + o[1]] = x[e]
+    return dst, order
+
+
+@pytest.mark.parametrize(
+    ("ncols", "nr", "ks"), [(16, 64, 3), (12, 48, 5), (9, 16, 2), (16, 64, 8), (1, 64, 4)]
+)
+def test_the_batched_read_back_writes_each_output_once_in_slice_order(ncols, nr, ks):
+    """Patch 0026: every output of the tile written once, its slices added in order 0..ks-1 from
+    zero, so the sums equal the one-output-one-slice loop's to the bit (run AL: logits unchanged);
+    rows outside the tile untouched."""
+    rng = np.random.default_rng(ncols * 100 + nr + ks)
+    nrows, row0 = 160, 64
+    partials = rng.standard_normal((ks, ncols, nrows)).astype(np.float32)
+    dst, order = ksplit_finish(partials, ncols, nrows, row0, nr, 4, 4)
+    ref = np.zeros((ncols, nrows), np.float32)
+    for s in range(ks):  # the (1, 1) loop: one slice at a time, in order, in f32
+        ref = (ref + partials[s]).astype(np.float32)
+    tile = dst[:, row0 : row0 + nr]
+    assert np.array_equal(tile, ref[:, row0 : row0 + nr])
+    assert np.isnan(np.delete(dst, np.s_[row0 : row0 + nr], axis=1)).all()
+    assert len(order) == ncols * nr and all(v == list(range(ks)) for v in order.values())
