@@ -12,7 +12,8 @@
 // MC_MMR_FORM=4 (patch 0025): the warpgroup kernel mc_mmw_q4_0 on the copies in its own order
 // (mc_mmr_repack's interleave), its activations by mc_mmw_convert_y, K slices as a cluster
 // (mc_mmw_launch_kernel; MC_MMW_KSLICES_MAX caps them) (sm_90 and a lab built for 90a; else the
-// program says so and exits 2).
+// program says so and exits 2). The bulk form's launches choose the 32-row form as mc_mmr_launch does
+// (mc_mmr_use_rows32; MC_MMR_ROWS32=0: never); its groups' k_slices read 100 + its slices.
 // Usage: mmr_lab REPEATS COLUMNS (COLUMNS 1 or 9..16)
 #include "mc-mmv.cu"
 #define LAB_GGML_STUBS
@@ -178,6 +179,14 @@ int main(int argc, char ** argv) {
         LAB_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, kernel, MC_MMQ_THREADS, smem));
     }
     occupancy = std::max(1, occupancy);
+    // the 32-row form's occupancy (mc_mmr_launch's choice of it: mc_mmr_use_rows32, MC_MMR_ROWS32)
+    const auto kernel32    = mc_mmr_q4_0<2, MC_MMR_R32_STAGES, true, 2, MC_MMR_R32_MINB>;
+    const size_t smem32    = mc_mmr_smem<2, MC_MMR_R32_STAGES, true, 2>();
+    int          occupancy32 = 0;
+    if (bulk && !wgmma) {
+        LAB_CHECK(cudaFuncSetAttribute(kernel32, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem32));
+        LAB_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy32, kernel32, MC_MMQ_THREADS, smem32));
+    }
 
     // weights (four sets a group, repacked), activations (f16, the converter's order), outputs, partials
     std::vector<std::vector<lab_set>> sets(plan.size());
@@ -282,12 +291,23 @@ int main(int argc, char ** argv) {
                                  mc_kernel_flags());
             return gy;
         }
-        const int nchunks = nquads / 4;
-        const int ks      = mc_mmq_kslices(ntiles, nchunks, occupancy * nsm);
-        const int per     = (nchunks + ks - 1) / ks;
-        const int region  = (int) (launches++ % MC_MMQ_COUNTER_REGIONS);
-        kernel<<<dim3(ntiles, ks, 1), MC_MMQ_THREADS, smem>>>(grp, ys[gi], ks > 1 ? partials : nullptr, region,
-                                                              nullptr, ncols, nquads, per, mc_kernel_flags());
+        const int region = (int) (launches++ % MC_MMQ_COUNTER_REGIONS);
+        int       nt     = ntiles;
+        if (occupancy32 > 0 && mc_mmr_use_rows32(grp, nquads, occupancy * nsm, occupancy32 * nsm)) {
+            const int ks = mc_mmr_plan(grp, 2, nquads, occupancy32 * nsm, nt);
+            mc_mmr_start<2, MC_MMR_R32_STAGES, true, 2, MC_MMR_R32_MINB>(
+                grp, nt, ks, ys[gi], ks > 1 ? partials : nullptr, region, nullptr, ncols, nquads, mc_kernel_flags(),
+                nullptr);
+            return 100 + ks;  // the 32-row form: 100 + its K slices
+        }
+        const int ks = mc_mmr_plan(grp, 4, nquads, occupancy * nsm, nt);
+        if (bulk) {
+            mc_mmr_start<2, 3, true, 4, 2>(grp, nt, ks, ys[gi], ks > 1 ? partials : nullptr, region, nullptr, ncols,
+                                           nquads, mc_kernel_flags(), nullptr);
+        } else {
+            mc_mmr_start<2, 3, false, 4, 2>(grp, nt, ks, ys[gi], ks > 1 ? partials : nullptr, region, nullptr, ncols,
+                                            nquads, mc_kernel_flags(), nullptr);
+        }
         return ks;
     };
     // the first set's outputs: a checksum a group (sum and sum of squares over every product's outputs)
