@@ -12,9 +12,11 @@
 // MC_MMR_FORM=4 (patch 0025): the warpgroup kernel mc_mmw_q4_0 on the copies in its own order
 // (mc_mmr_repack's interleave), its activations by mc_mmw_convert_y, K slices as a cluster
 // (mc_mmw_launch_kernel; MC_MMW_KSLICES_MAX caps them) (sm_90 and a lab built for 90a; else the
-// program says so and exits 2). The bulk form's launches choose the 32-row form as mc_mmr_launch does
-// (mc_mmr_use_rows32; MC_MMR_ROWS32=0: never); its groups' k_slices read 100 + its slices.
-// Usage: mmr_lab REPEATS COLUMNS (COLUMNS 1 or 9..16)
+// program says so and exits 2). The bulk form's launches choose the narrower forms as mc_mmr_launch does
+// (mc_mmr_rows_form; MC_MMR_ROWS32=0: never); their groups' k_slices read 200 (48-row tiles) or 100
+// (32-row) + the slices.
+// Usage: mmr_lab REPEATS COLUMNS (COLUMNS 1 or 9..16); mmr_lab plan NSM OCC64 OCC48 OCC32 (no GPU: the
+// verify step's launch plans for that GPU's SMs and each row-tile form's blocks an SM)
 #include "mc-mmv.cu"
 #define LAB_GGML_STUBS
 #include "lab_common.cuh"
@@ -126,7 +128,48 @@ struct lab_set {
     char *               gate = nullptr;  // decode's FFN: the gate's weights beside the up's
 };
 
+// the 27B's step (64 layers, every 4th full attention): its product groups; decode runs the FFN's
+// gate and up as one launch of the gated kernel (one product here, its gate beside it)
+static std::vector<lab_group> lab_plan(const bool decode) {
+    return {
+        { { 10240, 6144, 48, 48 }, 5120, 48, "gdn_in" },
+        { { 12288, 1024, 1024 }, 5120, 16, "attn_in" },
+        { { 5120 }, 6144, 64, "out" },
+        { decode ? std::vector<int>{ 17408 } : std::vector<int>{ 17408, 17408 }, 5120, 64, "ffn_gate_up" },
+        { { 5120 }, 17408, 64, "ffn_down" },
+    };
+}
+
+// mmr_lab plan NSM OCC64 OCC48 OCC32: the verify step's launch plans (the bulk form's row-tile form and
+// K slices, as mc_mmr_launch chooses them) for a GPU of NSM SMs holding OCC64 / OCC48 / OCC32 blocks of
+// the 64- / 48- / 32-row forms, without a GPU: one JSON line a group
+static int lab_print_plans(char ** argv) {
+    const int nsm = atoi(argv[2]), occ64 = atoi(argv[3]), occ48 = atoi(argv[4]), occ32 = atoi(argv[5]);
+    if (nsm < 1 || occ64 < 1 || occ48 < 0 || occ32 < 0) {
+        fprintf(stderr, "usage: mmr_lab plan NSM OCC64 OCC48 OCC32 (NSM, OCC64 >= 1; OCC48, OCC32 >= 0)\n");
+        return 2;
+    }
+    for (const lab_group & g : lab_plan(false)) {
+        mc_mm_group grp;
+        grp.n = (int) g.rows.size();
+        for (int p = 0; p < grp.n; p++) {
+            grp.nrows[p] = g.rows[p];
+        }
+        const int nquads = g.k / 128;
+        const int mt     = mc_mmr_rows_form(grp, nquads, occ64, occ48, occ32, nsm);
+        const int occ    = mt == 4 ? occ64 : (mt == 3 ? occ48 : occ32);
+        int       nt     = 0;
+        const int ks     = mc_mmr_plan(grp, mt, nquads, occ * nsm, nt);
+        printf("{\"kind\": \"plan\", \"group\": \"%s\", \"rows\": %d, \"tiles\": %d, \"k_slices\": %d}\n", g.name,
+               16 * mt, nt, ks);
+    }
+    return 0;
+}
+
 int main(int argc, char ** argv) {
+    if (argc == 6 && std::string(argv[1]) == "plan") {
+        return lab_print_plans(argv);
+    }
     const int repeats = argc == 3 ? atoi(argv[1]) : 0;
     const int ncols   = argc == 3 ? atoi(argv[2]) : 0;
     if (repeats < 1 || (ncols != 1 && (ncols < 9 || ncols > 16))) {
@@ -135,15 +178,7 @@ int main(int argc, char ** argv) {
         return 2;
     }
     const bool decode = ncols == 1;
-    // the 27B's step (64 layers, every 4th full attention): its product groups; decode runs the FFN's
-    // gate and up as one launch of the gated kernel (one product here, its gate beside it)
-    const std::vector<lab_group> plan = {
-        { { 10240, 6144, 48, 48 }, 5120, 48, "gdn_in" },
-        { { 12288, 1024, 1024 }, 5120, 16, "attn_in" },
-        { { 5120 }, 6144, 64, "out" },
-        { decode ? std::vector<int>{ 17408 } : std::vector<int>{ 17408, 17408 }, 5120, 64, "ffn_gate_up" },
-        { { 5120 }, 17408, 64, "ffn_down" },
-    };
+    const std::vector<lab_group> plan = lab_plan(decode);
     int dev = 0, nsm = 0;
     LAB_CHECK(cudaGetDevice(&dev));
     LAB_CHECK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, dev));
@@ -179,11 +214,15 @@ int main(int argc, char ** argv) {
         LAB_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, kernel, MC_MMQ_THREADS, smem));
     }
     occupancy = std::max(1, occupancy);
-    // the 32-row form's occupancy (mc_mmr_launch's choice of it: mc_mmr_use_rows32, MC_MMR_ROWS32)
-    const auto kernel32    = mc_mmr_q4_0<2, MC_MMR_R32_STAGES, true, 2, MC_MMR_R32_MINB>;
-    const size_t smem32    = mc_mmr_smem<2, MC_MMR_R32_STAGES, true, 2>();
-    int          occupancy32 = 0;
+    // the narrower forms' occupancy (48 and 32 rows: mc_mmr_launch's choice, mc_mmr_rows_form, MC_MMR_ROWS32)
+    constexpr int S = MC_MMR_NARROW_STAGES, B = MC_MMR_NARROW_MINB;
+    const auto    kernel48 = mc_mmr_q4_0<2, S, true, 3, B>;
+    const auto    kernel32 = mc_mmr_q4_0<2, S, true, 2, B>;
+    const size_t  smem48 = mc_mmr_smem<2, S, true, 3>(), smem32 = mc_mmr_smem<2, S, true, 2>();
+    int           occupancy48 = 0, occupancy32 = 0;
     if (bulk && !wgmma) {
+        LAB_CHECK(cudaFuncSetAttribute(kernel48, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem48));
+        LAB_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy48, kernel48, MC_MMQ_THREADS, smem48));
         LAB_CHECK(cudaFuncSetAttribute(kernel32, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem32));
         LAB_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy32, kernel32, MC_MMQ_THREADS, smem32));
     }
@@ -293,12 +332,18 @@ int main(int argc, char ** argv) {
         }
         const int region = (int) (launches++ % MC_MMQ_COUNTER_REGIONS);
         int       nt     = ntiles;
-        if (occupancy32 > 0 && mc_mmr_use_rows32(grp, nquads, occupancy * nsm, occupancy32 * nsm)) {
-            const int ks = mc_mmr_plan(grp, 2, nquads, occupancy32 * nsm, nt);
-            mc_mmr_start<2, MC_MMR_R32_STAGES, true, 2, MC_MMR_R32_MINB>(
-                grp, nt, ks, ys[gi], ks > 1 ? partials : nullptr, region, nullptr, ncols, nquads, mc_kernel_flags(),
-                nullptr);
-            return 100 + ks;  // the 32-row form: 100 + its K slices
+        const int mt = bulk && !wgmma ? mc_mmr_rows_form(grp, nquads, occupancy, occupancy48, occupancy32, nsm) : 4;
+        if (mt != 4) {
+            const int ks = mc_mmr_plan(grp, mt, nquads, (mt == 3 ? occupancy48 : occupancy32) * nsm, nt);
+            float *   p  = ks > 1 ? partials : nullptr;
+            if (mt == 3) {
+                mc_mmr_start<2, S, true, 3, B>(grp, nt, ks, ys[gi], p, region, nullptr, ncols, nquads,
+                                               mc_kernel_flags(), nullptr);
+            } else {
+                mc_mmr_start<2, S, true, 2, B>(grp, nt, ks, ys[gi], p, region, nullptr, ncols, nquads,
+                                               mc_kernel_flags(), nullptr);
+            }
+            return (mt == 3 ? 200 : 100) + ks;  // the narrower forms: 200 (48 rows) or 100 (32) + the K slices
         }
         const int ks = mc_mmr_plan(grp, 4, nquads, occupancy * nsm, nt);
         if (bulk) {

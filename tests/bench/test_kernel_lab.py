@@ -8,6 +8,8 @@ GPU (bench/results, on the H200)."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -118,6 +120,47 @@ def test_each_lab_compiles_against_the_patched_tree(patched_tree, tmp_path, lab,
     for args, msg in bad:
         res = subprocess.run([str(exe), *args], capture_output=True, text=True, check=False)
         assert res.returncode == 2 and msg in res.stderr, (args, res.stderr)
+
+
+def plans(exe: Path, *args: str, env: dict[str, str] | None = None) -> dict[str, dict]:
+    env = {**os.environ, **(env or {})}
+    res = subprocess.run([str(exe), "plan", *args], capture_output=True, text=True, check=False, env=env)
+    assert res.returncode == 0, res.stderr
+    return {r["group"]: r for r in map(json.loads, res.stdout.splitlines())}
+
+
+def test_the_verify_steps_row_tile_forms_follow_the_wave_model(patched_tree, tmp_path):
+    """Patches 0028 / 0029, through the library's own functions (mmr_lab plan: no GPU): on an H200 (132
+    SMs; 2 blocks an SM of the 64-row form, 3 of the 48- and 32-row forms) the FFN's gate + up (544
+    64-row tiles, more than one wave unsplit) runs on 48-row tiles, 726 of them in 2 waves of 396,
+    unsplit; the one-wave groups (GDN and attention inputs) and the K-split ones (out, ffn_down) keep
+    64 rows; MC_MMR_ROWS32=0 keeps 64 rows everywhere; a GPU without the narrower forms (occupancy 0)
+    too; and the plan's arguments are checked."""
+    nvcc = shutil.which("nvcc") or (
+        "/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None
+    )
+    if nvcc is None:
+        pytest.skip("no nvcc on this machine")
+    exe = tmp_path / "mmr"
+    subprocess.run(load().compile_cmd(nvcc, patched_tree, "mmr", exe, "90"), check=True, capture_output=True)
+    h200 = plans(exe, "132", "2", "3", "3")
+    gate_up = {"kind": "plan", "group": "ffn_gate_up", "rows": 48, "tiles": 726, "k_slices": 1}
+    assert h200["ffn_gate_up"] == gate_up
+    assert {g: (p["rows"], p["k_slices"]) for g, p in h200.items() if g != "ffn_gate_up"} == {
+        "gdn_in": (64, 1),
+        "attn_in": (64, 1),
+        "out": (64, 3),
+        "ffn_down": (64, 3),
+    }
+    off = plans(exe, "132", "2", "3", "3", env={"MC_MMR_ROWS32": "0"})
+    assert off["ffn_gate_up"]["rows"] == 64 and off["ffn_gate_up"]["tiles"] == 544
+    assert all(p["rows"] == 64 for p in off.values())
+    assert all(p["rows"] == 64 for p in plans(exe, "132", "2", "0", "0").values())
+    # the model on another GPU's shape (170 SMs, one block of each form, as ~100 KB of shared memory an
+    # SM allows: an RTX 5090; not measured there): gate + up 7 waves x 32 rows against 5 x 48 and 4 x 64
+    assert plans(exe, "170", "1", "1", "1")["ffn_gate_up"]["rows"] == 32
+    res = subprocess.run([str(exe), "plan", "0", "2", "3", "3"], capture_output=True, text=True, check=False)
+    assert res.returncode == 2 and "usage: mmr_lab plan NSM OCC64 OCC48 OCC32" in res.stderr
 
 
 def test_bad_driver_arguments_are_clear_errors(monkeypatch, tmp_path):

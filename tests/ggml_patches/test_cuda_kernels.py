@@ -68,15 +68,18 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     # stages (GPUs with ~100 KB of shared memory a block), each with per-thread copies or (MC_MMR_FORM=3)
     # the warp's bulk copies on mbarriers; the repack and the activation converter. Template arguments
     # (columns / 8, stages, bulk, row tiles of 16 a block, blocks an SM): those of 64 rows and 2 blocks
-    # an SM, and (patch 0028) the 32-row form for products of more than one wave: two tiles, 2 stages,
-    # bulk copies, 3 blocks an SM (registers: 65,536 / 384 = 170, allocated in steps of 8)
-    name = r"Compiling entry function '_Z11mc_mmr_q4_0ILi(\d)ELi(\d)ELb(\d)ELi(\d)ELi(\d)EE\w+'.*?Used (\d+) registers"
+    # an SM, and (patches 0028 / 0029) the 48- and 32-row forms for products of more than one wave: two
+    # tiles, 2 stages, bulk copies, 3 blocks an SM (sm_90: 65,536 / 384 = 170 registers, allocated in
+    # steps of 8; sm_120, whose shared memory holds fewer blocks, asks the compiler for 2)
+    name = r"entry function '_Z11mc_mmr_q4_0ILi(\d)ELi(\d)ELb(\d)ELi(\d)ELi(\d)EE\w+'.*?Used (\d+) registers"
     mmr = re.findall(name, report, re.S)
     forms = sorted((nt, st, bulk) for nt, st, bulk, mt, _, _ in mmr if mt == "4")
     assert forms == sorted((nt, st, b) for nt, st in (("1", "3"), ("2", "2"), ("2", "3")) for b in "01"), mmr
     assert all(int(r) <= 255 and minb == "2" for _, _, _, mt, minb, r in mmr if mt == "4"), mmr
-    rows32 = [(nt, st, bulk, minb, int(r)) for nt, st, bulk, mt, minb, r in mmr if mt != "4"]
-    assert [f[:4] for f in rows32] == [("2", "2", "1", "3")] and rows32[0][4] <= 168, mmr
+    narrow = [(nt, st, bulk, mt, minb, int(r)) for nt, st, bulk, mt, minb, r in mmr if mt != "4"]
+    assert sorted(f[:5] for f in narrow) == [("2", "2", "1", mt, "3") for mt in ("2", "3")], mmr
+    assert all(f[5] <= (168 if arch == "90" else 255) for f in narrow), mmr
+    assert "MC_MMR_MINB_CAP 2" in source and "__CUDA_ARCH__ >= 1200" in source
     assert 'mc_env_int("MC_MMR_ROWS32", 0, 1, 1)' in source
     # MC_MMR_BALANCE, MC_MMR_STAGES=2, MC_MMR_PAIRS=1, MC_MMR_DECODE=1, MC_MMR_OFFSET, MC_MMR_TAIL,
     # MC_MMR_SPLIT_ACC, MC_MMR_FOLD, MC_MMR_YREG, MC_MMR_RS and MC_MMR_WS (run AA: a producer warp
@@ -165,9 +168,11 @@ def test_bulk_copies_land_on_128_byte_lines(patched):
         kernel = c_body(source, head)
         assert "char * const                         smem = mc_smem_lines(mc_smem);" in kernel, head
         assert re.search(r"\bmc_smem\s*\+", kernel) is None, head  # no stage from the unaligned base
-    assert re.search(r"constexpr size_t smem\s+=.*\+ MC_SMEM_PAD;", c_body(source, "static void mc_mmw_launch("))
-    # mc_mmr_q4_0's launches (64- and 32-row forms) take their size from one function, which adds the pad
-    assert "mc_mmr_warp_stage(NT, BULK, MT) + MC_SMEM_PAD;" in c_body(source, "static constexpr size_t mc_mmr_smem(")
+    wlaunch = c_body(source, "static void mc_mmw_launch(")
+    assert re.search(r"constexpr size_t smem\s+=.*\+ MC_SMEM_PAD;", wlaunch)
+    # mc_mmr_q4_0's launches (every row-tile form) take their size from one function, which adds the pad
+    sizes = c_body(source, "static constexpr size_t mc_mmr_smem(")
+    assert "mc_mmr_warp_stage(NT, BULK, MT) + MC_SMEM_PAD;" in sizes
     assert "mc_mmr_smem<NT, STAGES, BULK, MT>(), stream);" in c_body(source, "static void mc_mmr_start(")
     # the dispatch picks 3 stages of two column tiles only where a block gets them with the pad
     run = c_body(source, "static bool mc_mmr_run(")
@@ -200,10 +205,10 @@ def test_the_k_slices_last_cta_loads_its_partials_together_in_slice_order(patche
     assert batched.index("for (int u = 0; u < U; ++u)", loads) < adds
     assert "x[e]        = 0.0f;" in batched and "if (s0 + u < ks)" in batched
     assert "for (int s = 0; s < ks; ++s)" in body[: body.index("} else {")]  # the (1, 1) loop
-    calls = re.findall(r"mc_mmq_ksplit_finish(<\d, \d>)?\(dst, partials", source)
+    calls = re.findall(r"mc_mmq_ksplit_finish(<[^>]+>)?\(dst,\s+partials", source)
     # mc_mmq_q4_0, the f16 form (mc_mmh), the copies' form (patch 0027: 8 outputs a thread, a 16-column
-    # tile's 1,024 sums in one round)
-    assert calls == ["", "<1, 1>", "<8, 4>"], calls
+    # tile's 1,024 sums in one round; the narrower forms of patch 0029: 4, within their registers)
+    assert calls == ["", "<1, 1>", "<MT == 4 ? 8 : 4, 4>"], calls
 
 
 def test_the_k_slices_counter_is_one_release_acquire_atomic(patched):
