@@ -211,6 +211,20 @@ def test_the_k_slices_last_cta_loads_its_partials_together_in_slice_order(patche
     assert calls == ["", "<1, 1>", "<MT == 4 ? 8 : 4, 4>"], calls
 
 
+def test_the_narrow_row_tile_forms_have_test_backend_ops_cases(patched):
+    """Patches 0028 / 0029: test-backend-ops holds products that take the narrower row tiles on the
+    copies (run with MC_MMH_REPACK=2 on a GPU): the FFN's gate + up group at 12 and 16 columns and a
+    34,816-row matrix, whose last 48-row tiles are partial (32 and 16 rows)."""
+    tests = (patched / "tests/test-backend-ops.cpp").read_text()
+    for case in (
+        "test_mc_mul_mat_group(GGML_TYPE_Q4_0, {17408, 17408}, 12, 5120)",
+        "test_mc_mul_mat_group(GGML_TYPE_Q4_0, {17408, 17408}, 16, 5120)",
+        "test_mul_mat(GGML_TYPE_Q4_0, GGML_TYPE_F32, 34816, 16, 5120, {1, 1}, {1, 1})",
+    ):
+        assert case in tests, case
+    assert 17408 % 48 == 32 and 34816 % 48 == 16  # the partial last tiles the docstring names
+
+
 def test_the_k_slices_counter_is_one_release_acquire_atomic(patched):
     """Patch 0027: the K slices' finish orders every thread's partials before the tile's counter with
     the block's barrier and thread 0's release-acquire atomic (CUTLASS's split-K semaphore pattern),
