@@ -144,8 +144,15 @@ static std::vector<lab_group> lab_plan(const bool decode) {
 // K slices, as mc_mmr_launch chooses them) for a GPU of NSM SMs holding OCC64 / OCC48 / OCC32 blocks of
 // the 64- / 48- / 32-row forms, without a GPU: one JSON line a group
 static int lab_print_plans(char ** argv) {
-    const int nsm = atoi(argv[2]), occ64 = atoi(argv[3]), occ48 = atoi(argv[4]), occ32 = atoi(argv[5]);
-    if (nsm < 1 || occ64 < 1 || occ48 < 0 || occ32 < 0) {
+    int  v[4];
+    bool whole = true;  // each argument a whole number, nothing after it
+    for (int i = 0; i < 4; i++) {
+        char * end = nullptr;
+        v[i]       = (int) strtol(argv[2 + i], &end, 10);
+        whole      = whole && end != argv[2 + i] && *end == '\0';
+    }
+    const int nsm = v[0], occ64 = v[1], occ48 = v[2], occ32 = v[3];
+    if (!whole || nsm < 1 || occ64 < 1 || occ48 < 0 || occ32 < 0) {
         fprintf(stderr, "usage: mmr_lab plan NSM OCC64 OCC48 OCC32 (NSM, OCC64 >= 1; OCC48, OCC32 >= 0)\n");
         return 2;
     }

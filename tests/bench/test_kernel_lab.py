@@ -107,16 +107,33 @@ MMR_BAD = (([], "usage"), (["3", "8"], "COLUMNS 1: decode"), (["3", "17"], "9..1
 WG_BAD = (([], "usage"), (["0"], "usage"), (["3", "4"], "WG 1 or 2"), (["3", "1", "x"], "usage"))
 
 
-@pytest.mark.parametrize(("lab", "bad"), [("gdn", GDN_BAD), ("mmr", MMR_BAD), ("wg", WG_BAD)])
-def test_each_lab_compiles_against_the_patched_tree(patched_tree, tmp_path, lab, bad):
+@pytest.fixture(scope="module")
+def compiled_lab(patched_tree, tmp_path_factory):
+    """A function that compiles a lab against the patched tree once for the module (wg for sm_90a, whose
+    wgmma exists nowhere else; the others for sm_90) and returns its program."""
     nvcc = shutil.which("nvcc") or (
         "/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None
     )
     if nvcc is None:
         pytest.skip("no nvcc on this machine")
-    exe = tmp_path / lab
-    arch = "90a" if lab == "wg" else "90"  # wgmma: sm_90a only
-    subprocess.run(load().compile_cmd(nvcc, patched_tree, lab, exe, arch), check=True, capture_output=True)
+    out = tmp_path_factory.mktemp("labs")
+    built: dict[str, Path] = {}
+
+    def get(lab: str) -> Path:
+        if lab not in built:
+            exe = out / lab
+            arch = "90a" if lab == "wg" else "90"
+            cmd = load().compile_cmd(nvcc, patched_tree, lab, exe, arch)
+            subprocess.run(cmd, check=True, capture_output=True)
+            built[lab] = exe
+        return built[lab]
+
+    return get
+
+
+@pytest.mark.parametrize(("lab", "bad"), [("gdn", GDN_BAD), ("mmr", MMR_BAD), ("wg", WG_BAD)])
+def test_each_lab_compiles_against_the_patched_tree(compiled_lab, lab, bad):
+    exe = compiled_lab(lab)
     for args, msg in bad:
         res = subprocess.run([str(exe), *args], capture_output=True, text=True, check=False)
         assert res.returncode == 2 and msg in res.stderr, (args, res.stderr)
@@ -129,20 +146,14 @@ def plans(exe: Path, *args: str, env: dict[str, str] | None = None) -> dict[str,
     return {r["group"]: r for r in map(json.loads, res.stdout.splitlines())}
 
 
-def test_the_verify_steps_row_tile_forms_follow_the_wave_model(patched_tree, tmp_path):
+def test_the_verify_steps_row_tile_forms_follow_the_wave_model(compiled_lab):
     """Patches 0028 / 0029, through the library's own functions (mmr_lab plan: no GPU): on an H200 (132
     SMs; 2 blocks an SM of the 64-row form, 3 of the 48- and 32-row forms) the FFN's gate + up (544
     64-row tiles, more than one wave unsplit) runs on 48-row tiles, 726 of them in 2 waves of 396,
     unsplit; the one-wave groups (GDN and attention inputs) and the K-split ones (out, ffn_down) keep
     64 rows; MC_MMR_ROWS32=0 keeps 64 rows everywhere; a GPU without the narrower forms (occupancy 0)
     too; and the plan's arguments are checked."""
-    nvcc = shutil.which("nvcc") or (
-        "/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None
-    )
-    if nvcc is None:
-        pytest.skip("no nvcc on this machine")
-    exe = tmp_path / "mmr"
-    subprocess.run(load().compile_cmd(nvcc, patched_tree, "mmr", exe, "90"), check=True, capture_output=True)
+    exe = compiled_lab("mmr")
     h200 = plans(exe, "132", "2", "3", "3")
     gate_up = {"kind": "plan", "group": "ffn_gate_up", "rows": 48, "tiles": 726, "k_slices": 1}
     assert h200["ffn_gate_up"] == gate_up
@@ -159,8 +170,9 @@ def test_the_verify_steps_row_tile_forms_follow_the_wave_model(patched_tree, tmp
     # the model on another GPU's shape (170 SMs, one block of each form, as ~100 KB of shared memory an
     # SM allows: an RTX 5090; not measured there): gate + up 7 waves x 32 rows against 5 x 48 and 4 x 64
     assert plans(exe, "170", "1", "1", "1")["ffn_gate_up"]["rows"] == 32
-    res = subprocess.run([str(exe), "plan", "0", "2", "3", "3"], capture_output=True, text=True, check=False)
-    assert res.returncode == 2 and "usage: mmr_lab plan NSM OCC64 OCC48 OCC32" in res.stderr
+    for bad in (["0", "2", "3", "3"], ["132", "2", "x", "3"], ["132", "2", "3", "3.5"]):
+        res = subprocess.run([str(exe), "plan", *bad], capture_output=True, text=True, check=False)
+        assert res.returncode == 2 and "usage: mmr_lab plan NSM OCC64 OCC48 OCC32" in res.stderr, bad
 
 
 def test_bad_driver_arguments_are_clear_errors(monkeypatch, tmp_path):
