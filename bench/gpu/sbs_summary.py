@@ -16,6 +16,7 @@ import csv
 import io
 import json
 import re
+import statistics
 import subprocess
 import time
 from collections import defaultdict
@@ -44,9 +45,15 @@ def build_figures(state: Path, build: str) -> dict:
     for row in json_lines(state / f"{build}-tg.out"):
         f[f"tg_depth_{row['depth']}_tok_s"] = row["tok_s"]
     for seqs in (1, 12):
-        rows = json_lines(state / f"{build}-verify{seqs}.out")
-        if rows:
-            f[f"verify{seqs}_ms"] = {str(r["k"]): r["median_ms"] for r in rows}
+        # one line per k and draw (MC_SBS_DRAWS processes, one after another): the figure is the median
+        # of the draws' medians; every draw is kept, and so is the spread between processes
+        draws: dict[str, list[float]] = defaultdict(list)
+        for r in json_lines(state / f"{build}-verify{seqs}.out"):
+            draws[str(r["k"])].append(r["median_ms"])
+        if draws:
+            f[f"verify{seqs}_ms"] = {k: round(statistics.median(v), 4) for k, v in draws.items()}
+            if any(len(v) > 1 for v in draws.values()):
+                f[f"verify{seqs}_draws_ms"] = dict(draws)
     batched = json_lines(state / f"{build}-batched.out") + json_lines(state / f"{build}-batched.err")
     if batched:
         f["agg_tok_s"] = {str(r["pl"]): round(r["speed_tg"], 2) for r in batched if "speed_tg" in r}
@@ -235,7 +242,12 @@ def main() -> None:
             res[f"tg_fraction_of_ceiling_{b}"] = round(res[f"tg_tok_s_{b}"] / res["ceiling_tok_s"], 3)
         v = res[f"verify_ms_{b}"] or {}
         if "1" in v and "16" in v:
-            res[f"verify16_over_1_{b}"] = round(v["16"] / v["1"], 2)
+            res[f"verify16_over_1_{b}"] = round(v["16"] / v["1"], 3)
+        d = f.get("verify1_draws_ms") or {}
+        if len(d.get("1", [])) > 1 and len(d["1"]) == len(d.get("16", [])):
+            # each draw's own ratio (its k = 1 and k = 16 from one process): the spread of the goal's figure
+            pairs = zip(d["16"], d["1"], strict=True)
+            res[f"verify16_over_1_draws_{b}"] = [round(x / y, 3) for x, y in pairs]
     ratios = {}
     for key in ("tg_tok_s", "tg4k_tok_s", "tg32k_tok_s", "agg_tok_s_12"):
         s, p = res.get(f"{key}_stock"), res.get(f"{key}_patched")
@@ -311,7 +323,9 @@ def print_table(res: dict) -> None:
     for key in sorted(k for k in res if k.startswith("logits_patched_v")):
         print(f"{key}: {res[key]}")
     for key in sorted(
-        k for k in res if k.startswith(("agg_tok_s_12_patched-v", "verify16_over_1_patched-v"))
+        k
+        for k in res
+        if k.startswith(("agg_tok_s_12_patched-v", "verify16_over_1_patched-v", "verify16_over_1_draws_"))
     ):
         print(f"{key}: {res[key]}")
     if res.get("logits_patched_vs_stock"):

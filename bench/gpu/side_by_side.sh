@@ -47,7 +47,9 @@
 # MC_SBS_LABS (kernel labs on the patched tree right after the build: gdn, mmr1, mmr9..mmr16;
 # MC_SBS_LAB_TOKENS for gdn's token counts),
 # MC_SBS_COMMIT (the git commit to record, default this tree's HEAD),
-# MC_SBS_MEASURE (logits,tg,verify1,verify12,batched), MC_SBS_ENGINE_NEED (seconds the engine part
+# MC_SBS_MEASURE (logits,tg,verify1,verify12,batched), MC_SBS_DRAWS (processes each verify measure
+# runs, one after another, default 3: the figure is their median, the spread between processes of
+# one build ~3-7% at 16 tokens, larger than within one), MC_SBS_ENGINE_NEED (seconds the engine part
 # must have left to start, default 240), MC_ENGINE_ARGS (for bench/gpu/engine_gpu.py,
 # default --tasks 12), MC_SBS_WEIGHTS (q4_0 or q8_0 random model), MC_SBS_BACKEND (cpu: the same
 # flow without a GPU, to check this script).
@@ -69,6 +71,10 @@ MC_SBS_PROFILE_K=${MC_SBS_PROFILE_K:-1}
 OPS=${MC_SBS_OPS:-MUL_MAT,MUL_MAT_VEC_FUSION,MC_MUL_MAT_GROUP,GATED_DELTA_NET,GATED_DELTA_NET_CACHE_FUSION,MC_GDN_LAYER,SSM_CONV,RMS_NORM,RMS_NORM_MUL_ADD,MC_ADD_RMS_NORM_MUL,CONCAT}
 MEASURE=,${MC_SBS_MEASURE:-logits,tg,verify1,verify12,batched},  # which measurements per build
 ENGINE_ARGS=${MC_ENGINE_ARGS:---tasks 12}
+DRAWS=${MC_SBS_DRAWS:-3}
+case $DRAWS in '' | *[!0-9]* | 0) echo "MC_SBS_DRAWS=$DRAWS: expected a whole number of at least 1"; exit 2 ;; esac
+# a command run DRAWS times, one process after another (each draw's JSON lines follow the last's)
+REPEAT=(bash -c 'n=$1; shift; for _ in $(seq "$n"); do "$@" || exit; done' draws "$DRAWS")
 mkdir -p "$S" "$OUT"
 export PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
@@ -229,8 +235,10 @@ for B in ${BUILDS//,/ }; do
   export LD_LIBRARY_PATH=$S/$B
   want logits && step "$B-logits" 60 "$S/$B/mc_gpu_bench" logits "$MODEL" "$S/$B-logits.bin"
   want tg && step "$B-tg" 150 "$S/$B/mc_gpu_bench" tg "$MODEL" 0,4096,32768 64
-  want verify1 && step "$B-verify1" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 1 1,2,4,8,16,32,64
-  want verify12 && step "$B-verify12" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 12 1,2,4,8,16
+  want verify1 && step "$B-verify1" $((60 + 20 * DRAWS)) "${REPEAT[@]}" "$S/$B/mc_gpu_bench" verify "$MODEL" 512 1 \
+    1,2,4,8,16,32,64
+  want verify12 && step "$B-verify12" $((60 + 20 * DRAWS)) "${REPEAT[@]}" "$S/$B/mc_gpu_bench" verify "$MODEL" 512 12 \
+    1,2,4,8,16
   want batched && step "$B-batched" 60 "$S/$B/llama-batched-bench" -m "$MODEL" -c 16384 -b 2048 -ub 512 \
     -npp 512 -ntg 128 -npl 1,2,4,8,12,16 -ngl 99 -fa on --output-format jsonl
   if [ "$B" = patched ] && [ "$BACKEND" = cuda ]; then
@@ -279,8 +287,10 @@ for B in ${BUILDS//,/ }; do
       log "variant $v: $settings"
       want logits "$vmeasure" && step "$B-$v-logits" 60 "$S/$B/mc_gpu_bench" logits "$MODEL" "$S/$B-$v-logits.bin"
       want tg "$vmeasure" && step "$B-$v-tg" 150 "$S/$B/mc_gpu_bench" tg "$MODEL" 0,4096,32768 64
-      want verify1 "$vmeasure" && step "$B-$v-verify1" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 1 1,2,4,8,12,16
-      want verify12 "$vmeasure" && step "$B-$v-verify12" 90 "$S/$B/mc_gpu_bench" verify "$MODEL" 512 12 1,2,4
+      want verify1 "$vmeasure" && step "$B-$v-verify1" $((60 + 10 * DRAWS)) "${REPEAT[@]}" "$S/$B/mc_gpu_bench" \
+        verify "$MODEL" 512 1 1,2,4,8,12,16
+      want verify12 "$vmeasure" && step "$B-$v-verify12" $((60 + 10 * DRAWS)) "${REPEAT[@]}" "$S/$B/mc_gpu_bench" \
+        verify "$MODEL" 512 12 1,2,4
       want batched "$vmeasure" && step "$B-$v-batched" 150 "$S/$B/llama-batched-bench" -m "$MODEL" -c 16384 -b 2048 -ub 512 \
         -npp 512 -ntg 128 -npl 1,2,4,8,12,16 -ngl 99 -fa on --output-format jsonl
       vops=MC_SBS_VARIANT_OPS_$v  # one variant's own test-backend-ops list, e.g. MC_SBS_VARIANT_OPS_vg2=GATED_DELTA_NET

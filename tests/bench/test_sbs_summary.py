@@ -127,3 +127,30 @@ def test_summary_fills_the_issue_keys_and_the_kernel_figures(tmp_path):
     assert kd["metrics"]["Memory Throughput (byte/second)"] == {"mean": 5e11, "unit": "byte/second"}
     assert "stalls (warps per issue): barrier 1.5, long_scoreboard 0.5" in run.stdout
     assert "mc_mmq_q4_0<2, 8, false> (2 launches): Duration 35 us, Memory Throughput 25 %" in run.stdout
+
+
+def test_verify_draws_give_the_median_and_each_draws_ratio(tmp_path):
+    # MC_SBS_DRAWS processes write their lines one after another into one step output: the figure is
+    # the median of the draws, each draw's own 16 / 1 ratio is kept, and one slow draw does not decide it
+    st = tmp_path / "state"
+    st.mkdir()
+    make_state(st)
+    draws = [{1: 6.5, 16: 9.6}, {1: 6.6, 16: 10.3}, {1: 6.4, 16: 9.7}]
+    (st / "patched-verify1.out").write_text("".join(verify_lines(d) for d in draws))
+    (st / "patched-va-verify1.out").write_text(verify_lines({1: 6.0, 16: 9.0}))
+    out = tmp_path / "summary.json"
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), str(st), "--out", str(out)], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+    res = json.loads(out.read_text())
+    assert res["verify_ms_patched"] == {"1": 6.5, "16": 9.7}
+    assert res["builds"]["patched"]["verify1_draws_ms"] == {"1": [6.5, 6.6, 6.4], "16": [9.6, 10.3, 9.7]}
+    assert res["verify16_over_1_patched"] == round(9.7 / 6.5, 3)
+    each = [round(9.6 / 6.5, 3), round(10.3 / 6.6, 3), round(9.7 / 6.4, 3)]
+    assert res["verify16_over_1_draws_patched"] == each
+    assert f"verify16_over_1_draws_patched: {res['verify16_over_1_draws_patched']}" in run.stdout
+    # one draw: the figure as measured, no draws kept
+    assert res["verify_ms_patched-va"] == {"1": 6.0, "16": 9.0}
+    assert "verify1_draws_ms" not in res["builds"]["patched-va"]
+    assert "verify16_over_1_draws_patched-va" not in res
