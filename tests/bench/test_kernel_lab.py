@@ -175,6 +175,37 @@ def test_the_verify_steps_row_tile_forms_follow_the_wave_model(compiled_lab):
         assert res.returncode == 2 and "usage: mmr_lab plan NSM OCC64 OCC48 OCC32" in res.stderr, bad
 
 
+def test_the_persistent_decode_products_pieces(compiled_lab):
+    """The lab-only persistent decode product (MC_LAB_PMV): each group's rows a piece, chosen without a GPU
+    (mmr_lab pmvplan CTAS STAGE_KB). On an H200's 264 CTAs (2 an SM) with 24 KB stages: 8-row pieces for
+    the GDN and attention inputs (23,040 bytes), 4 for the out projection (K = 6,144: 8 rows would be
+    27,648 bytes), 4 for the gated FFN (its gate rows beside the up rows), 2 for ffn_down (9,792 bytes a
+    row); the busiest CTA has at most one piece more than the mean. A stage too small for one row of
+    ffn_down is a clear error, as are bad arguments."""
+    exe = compiled_lab("mmr")
+
+    def pmv(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(exe), "pmvplan", *args], capture_output=True, text=True, check=False)
+
+    res = pmv("264", "24")
+    assert res.returncode == 0, res.stderr
+    got = {r["group"]: r for r in map(json.loads, res.stdout.splitlines())}
+    assert {g: (r["rows_a_piece"], r["pieces"]) for g, r in got.items()} == {
+        "gdn_in": (8, 2060),
+        "attn_in": (8, 1792),
+        "out": (4, 1280),
+        "ffn_gate_up": (4, 4352),
+        "ffn_down": (2, 2560),
+    }
+    for r in got.values():
+        assert r["busiest"] == -(-r["pieces"] // 264) and r["busiest"] - r["pieces"] / 264 < 1
+    small = pmv("264", "8")
+    assert small.returncode == 2 and "no piece shape fits K = 17408" in small.stderr
+    for bad in (["x", "24"], ["264", "3"], ["0", "24"], ["264", "65"]):
+        res = pmv(*bad)
+        assert res.returncode == 2 and "usage: mmr_lab pmvplan CTAS STAGE_KB" in res.stderr, bad
+
+
 def test_bad_driver_arguments_are_clear_errors(monkeypatch, tmp_path):
     lab = load()
     for argv, msg in (
