@@ -331,16 +331,38 @@ static lab_pmv_plan lab_pmv_choose(const mc_mm_group & grp, const int nw, const 
     return best;
 }
 
+// a group's products' row counts (what the launch plans read of it)
+static mc_mm_group lab_rows_group(const lab_group & g) {
+    mc_mm_group grp;
+    grp.n = (int) g.rows.size();
+    for (int p = 0; p < grp.n; p++) {
+        grp.nrows[p] = g.rows[p];
+    }
+    return grp;
+}
+
+// MC_LAB_PMV's pieces for a decode group (the FFN's gate rows beside the up rows: two matrices a piece)
+static lab_pmv_plan lab_pmv_plan_for(const lab_group & g, const int ctas, const int stage_limit) {
+    const int nblocks = g.k / QK4_0;
+    const int nw      = std::string(g.name) == "ffn_gate_up" ? 2 : 1;
+    return lab_pmv_choose(lab_rows_group(g), nw, nblocks, (int64_t) nblocks * sizeof(block_q4_0), ctas, stage_limit);
+}
+
+// a whole number, nothing after it
+static bool lab_whole(const char * text, int & v) {
+    char * end = nullptr;
+    v          = (int) strtol(text, &end, 10);
+    return end != text && *end == '\0';
+}
+
 // mmr_lab plan NSM OCC64 OCC48 OCC32: the verify step's launch plans (the bulk form's row-tile form and
 // K slices, as mc_mmr_launch chooses them) for a GPU of NSM SMs holding OCC64 / OCC48 / OCC32 blocks of
 // the 64- / 48- / 32-row forms, without a GPU: one JSON line a group
 static int lab_print_plans(char ** argv) {
     int  v[4];
-    bool whole = true;  // each argument a whole number, nothing after it
+    bool whole = true;
     for (int i = 0; i < 4; i++) {
-        char * end = nullptr;
-        v[i]       = (int) strtol(argv[2 + i], &end, 10);
-        whole      = whole && end != argv[2 + i] && *end == '\0';
+        whole = lab_whole(argv[2 + i], v[i]) && whole;
     }
     const int nsm = v[0], occ64 = v[1], occ48 = v[2], occ32 = v[3];
     if (!whole || nsm < 1 || occ64 < 1 || occ48 < 0 || occ32 < 0) {
@@ -348,11 +370,7 @@ static int lab_print_plans(char ** argv) {
         return 2;
     }
     for (const lab_group & g : lab_plan(false)) {
-        mc_mm_group grp;
-        grp.n = (int) g.rows.size();
-        for (int p = 0; p < grp.n; p++) {
-            grp.nrows[p] = g.rows[p];
-        }
+        mc_mm_group grp    = lab_rows_group(g);  // mc_mmr_plan sets its tiles
         const int nquads = g.k / 128;
         const int mt     = mc_mmr_rows_form(grp, nquads, occ64, occ48, occ32, nsm);
         const int occ    = mt == 4 ? occ64 : (mt == 3 ? occ48 : occ32);
@@ -367,22 +385,13 @@ static int lab_print_plans(char ** argv) {
 // mmr_lab pmvplan CTAS STAGE_KB: MC_LAB_PMV's pieces for the decode step's groups on CTAS CTAs with
 // stages of at most STAGE_KB kilobytes, without a GPU: one JSON line a group
 static int lab_print_pmv_plans(char ** argv) {
-    char *    e1 = nullptr, * e2 = nullptr;
-    const int ctas = (int) strtol(argv[2], &e1, 10);
-    const int kb   = (int) strtol(argv[3], &e2, 10);
-    if (e1 == argv[2] || *e1 != '\0' || e2 == argv[3] || *e2 != '\0' || ctas < 1 || kb < 4 || kb > 64) {
+    int ctas = 0, kb = 0;
+    if (!lab_whole(argv[2], ctas) || !lab_whole(argv[3], kb) || ctas < 1 || kb < 4 || kb > 64) {
         fprintf(stderr, "usage: mmr_lab pmvplan CTAS STAGE_KB (CTAS >= 1; STAGE_KB 4..64)\n");
         return 2;
     }
     for (const lab_group & g : lab_plan(true)) {
-        mc_mm_group grp;
-        grp.n = (int) g.rows.size();
-        for (int p = 0; p < grp.n; p++) {
-            grp.nrows[p] = g.rows[p];
-        }
-        const int          nblocks = g.k / QK4_0;
-        const int          nw      = std::string(g.name) == "ffn_gate_up" ? 2 : 1;
-        const lab_pmv_plan pl = lab_pmv_choose(grp, nw, nblocks, (int64_t) nblocks * sizeof(block_q4_0), ctas, kb * 1024);
+        const lab_pmv_plan pl = lab_pmv_plan_for(g, ctas, kb * 1024);
         printf("{\"kind\": \"pmvplan\", \"group\": \"%s\", \"rows_a_piece\": %d, \"pieces\": %d, "
                "\"busiest\": %d}\n", g.name, pl.rs, pl.npieces, (pl.npieces + ctas - 1) / ctas);
     }
@@ -525,15 +534,13 @@ int main(int argc, char ** argv) {
     const int pmv_ctas_in = mc_env_int("MC_LAB_PMV_CTAS", 1, 2, 2);
     const int pmv_kb      = mc_env_int("MC_LAB_PMV_STAGE_KB", 4, 64, 24);
     std::vector<lab_pmv_plan> pmv_plans(plan.size());
-    std::vector<int>          pmv_stage_bytes(plan.size());
+    int                       pmv_stage_bytes = 0;
     int                       pmv_ctas = 0;
     if (pmv) {
-        // every group's stage within the limit: the smem of the largest, so one occupancy for all
-        const int limit = pmv_kb * 1024;
-        size_t    smem_max = 0;
-        for (size_t gi = 0; gi < plan.size(); gi++) {
-            smem_max = std::max(smem_max, (size_t) pmv_stages * ((limit + 127) / 128 * 128) + MC_SMEM_PAD);
-        }
+        // one stage size for every group (its limit, on 128-byte lines), so one occupancy for all
+        const int    limit    = pmv_kb * 1024;
+        pmv_stage_bytes       = (limit + 127) / 128 * 128;
+        const size_t smem_max = (size_t) pmv_stages * pmv_stage_bytes + MC_SMEM_PAD;
         int per_sm = pmv_ctas_in;
         for (const auto k : { lab_pmv_q4_0<false, true>, lab_pmv_q4_0<true, true>, lab_pmv_q4_0<false, false>,
                               lab_pmv_q4_0<true, false> }) {
@@ -548,16 +555,7 @@ int main(int argc, char ** argv) {
         }
         pmv_ctas = per_sm * nsm;
         for (size_t gi = 0; gi < plan.size(); gi++) {
-            mc_mm_group grp;
-            grp.n = (int) plan[gi].rows.size();
-            for (int p = 0; p < grp.n; p++) {
-                grp.nrows[p] = plan[gi].rows[p];
-            }
-            const int  nblocks = plan[gi].k / QK4_0;
-            const bool gated   = std::string(plan[gi].name) == "ffn_gate_up";
-            pmv_plans[gi]      = lab_pmv_choose(grp, gated ? 2 : 1, nblocks, (int64_t) nblocks * sizeof(block_q4_0),
-                                                pmv_ctas, limit);
-            pmv_stage_bytes[gi] = (limit + 127) / 128 * 128;
+            pmv_plans[gi] = lab_pmv_plan_for(plan[gi], pmv_ctas, limit);
         }
         printf("{\"kind\": \"pmv\", \"ctas\": %d, \"stages\": %d, \"stage_kb\": %d}\n", pmv_ctas, pmv_stages,
                pmv_kb);
@@ -591,7 +589,7 @@ int main(int argc, char ** argv) {
                 a.piece_begin[p] = pmv_plans[gi].piece_begin[p];
             }
             a.stages      = pmv_stages;
-            a.stage_bytes = pmv_stage_bytes[gi];
+            a.stage_bytes = pmv_stage_bytes;
             a.glu_op      = GGML_GLU_OP_SWIGLU;
             const size_t smem_pmv = (size_t) a.stages * a.stage_bytes + MC_SMEM_PAD;
             const auto k = a.vgate != nullptr ? (pmv == 1 ? lab_pmv_q4_0<true, true> : lab_pmv_q4_0<true, false>)
