@@ -101,12 +101,15 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     # per SM (65,536 / 768 = 85, allocated in steps of 8)
     q6k = re.findall(r"Compiling entry function '_Z11mc_mmv_q6_K\w+'.*?Used (\d+) registers", report, re.S)
     assert len(q6k) == 1 and int(q6k[0]) <= 80, q6k
-    # Q6_K at 2..16 columns (patch 0016): one and two tiles of 8 columns, registers for 3 blocks of 128
-    # threads an SM (65,536 / 384 = 170), and the activations' int8 quantizer
-    name = r"Compiling entry function '_Z11mc_mmq_q6_KILi(\d)EE\w+'.*?Used (\d+) registers"
+    # Q6_K at 2..16 columns (patch 0016): one and two tiles of 8 columns, each with the activations in
+    # their own order and in the B fragments' (patch 0030, MC_MMQ_Q6K_FRAG), registers for 3 blocks of
+    # 128 threads an SM (65,536 / 384 = 170), and the activations' int8 quantizer in both orders
+    name = r"Compiling entry function '_Z11mc_mmq_q6_KILi(\d)ELb(\d)EE\w+'.*?Used (\d+) registers"
     q6km = re.findall(name, report, re.S)
-    assert sorted(nt for nt, _ in q6km) == ["1", "2"] and all(int(r) <= 168 for _, r in q6km), q6km
-    assert "Compiling entry function '_Z16mc_q6km_quantize" in report
+    assert sorted((nt, f) for nt, f, _ in q6km) == [("1", "0"), ("1", "1"), ("2", "0"), ("2", "1")], q6km
+    assert all(int(r) <= 168 for _, _, r in q6km), q6km
+    assert "Compiling entry function '_Z16mc_q6km_quantizeILb0E" in report
+    assert "Compiling entry function '_Z16mc_q6km_quantizeILb1E" in report
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), spills
 
@@ -239,6 +242,25 @@ def test_the_k_slices_counter_is_one_release_acquire_atomic(patched):
     first, second = (m.start() for m in re.finditer(r"__syncthreads\(\);", head))
     counter = head.index("is_last = mc_atom_add_acq_rel(counter, 1u) == gridDim.y - 1;")
     assert first < counter < second < head.index("if (!is_last)")
+
+
+def test_the_q6k_activations_fragment_order_matches_its_emulation(patched):
+    """Patch 0030 (MC_MMQ_Q6K_FRAG, off by default until measured): the quantizer's stores and the
+    kernel's 16-byte loads are the ones tests/ggml_patches/test_q6km_layout.py emulates (store /
+    load_words), and the setting picks both instances of the kernel and the quantizer together."""
+    source = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
+    quant = c_body(source, "template <bool FRAG>\nstatic __global__ void mc_q6km_quantize(")
+    assert "const int off = FRAG ? 64 * (sb / 4) + 16 * (2 * (lane % 2)) + 4 * (sb % 4) : lane * 8;" in quant
+    assert "*(char4 *) (qb + (FRAG ? 16 : 4)) = hi;" in quant
+    head = "template <int NT, bool FRAG>\nstatic __device__ __forceinline__ void mc_q6km_load_y("
+    load = c_body(source, head)
+    assert "const int4 w      = *(const int4 *) (blk + 64 * i + 16 * t);" in load
+    assert "yb[nt][s] = *(const int *) (blk + 4 * t + 16 * s);" in load
+    launch = c_body(source, "template <int NT, bool FRAG>\nstatic bool mc_mmq_q6_K_launch(")
+    assert "mc_mmq_q6_K<NT, FRAG>" in launch and "mc_q6km_quantize<FRAG>" in launch
+    try_ = c_body(source, "static bool mc_mmq_q6_K_try(")
+    assert 'mc_env_int("MC_MMQ_Q6K_FRAG", 0, 1, 0)' in try_
+    assert "mc_mmq_q6_K_launch<2, true>" in try_ and "mc_mmq_q6_K_launch<2, false>" in try_
 
 
 def c_body(source: str, head: str) -> str:

@@ -163,3 +163,62 @@ def test_q6km_emulation_matches_dequantized_product(rows, k, ncols):
     # and the int8 activations stay close to the f32 ones (one scale per 256 values, as the CPU's q8_K)
     exact = x.astype(np.float64) @ dequant(w, rows, k).T
     assert np.abs(got - exact).max() < 0.02 * np.abs(exact).max()
+
+
+def store(yq: np.ndarray, frag: bool, swap: bool = False) -> np.ndarray:
+    """mc_q6km_quantize's stores (its quantized values given): per (column, 256 values) lane l writes its
+    8 values 8 l .. 8 l + 7 as two 4-byte words; FRAG (patch 0030) at 64 (s / 4) + 16 (2 (l % 2)) +
+    4 (s % 4) and 16 bytes after it, with s = l / 2, else at 8 l and 8 l + 4. swap: a wrong order (i and j
+    exchanged), which the test must catch. Every byte is written once (checked)."""
+    ncols, k = yq.shape
+    out = np.zeros(ncols * k, np.int8)
+    written = np.zeros(ncols * k, np.int64)
+    for c in range(ncols):
+        for b in range(k // 256):
+            base = c * k + b * 256
+            for lane in range(32):
+                s = lane // 2
+                i, j = (s % 4, s // 4) if swap else (s // 4, s % 4)
+                off = 64 * i + 16 * (2 * (lane % 2)) + 4 * j if frag else lane * 8
+                vals = yq[c, b * 256 + lane * 8 : b * 256 + lane * 8 + 8]
+                for half, step in ((0, 0), (1, 16 if frag else 4)):
+                    at = base + off + step
+                    out[at : at + 4] = vals[4 * half : 4 * half + 4]
+                    written[at : at + 4] += 1
+    assert np.all(written == 1)
+    return out.reshape(ncols, k)
+
+
+def load_words(buf: np.ndarray, col: int, kb: int, t: int, frag: bool) -> np.ndarray:
+    """mc_q6km_load_y for one lane (its t) and column: the 16 words yb[s] as 4 bytes each; FRAG: 4 16-byte
+    loads at 64 i + 16 t (words 4 i .. 4 i + 3), else a word at 4 t + 16 s."""
+    blk = buf[col, kb * 256 : kb * 256 + 256]
+    if frag:
+        return np.concatenate([blk[64 * i + 16 * t : 64 * i + 16 * t + 16].reshape(4, 4) for i in range(4)])
+    return np.stack([blk[4 * t + 16 * s : 4 * t + 16 * s + 4] for s in range(16)])
+
+
+def test_the_fragment_order_gives_every_lane_the_same_words():
+    """Patch 0030 (MC_MMQ_Q6K_FRAG): the activations stored in the B fragments' order and read as 16-byte
+    loads give every lane the same 16 words as the plain order's 4-byte loads: the kernel's products and
+    sums are the same to the bit (its emulation above holds for both). Each word is the B fragment's
+    k 4t..4t+3 of sub-block s: values 16 s + 4 t + b. A store with the word index's two parts exchanged
+    fails it."""
+    rng = np.random.default_rng(30)
+    yq, _ = quantize(rng.standard_normal((3, 768)).astype(np.float32))
+    plain, frag, wrong = store(yq, False), store(yq, True), store(yq, True, swap=True)
+    assert np.array_equal(plain, yq)  # the plain order is the values' own
+    for col in range(3):
+        for kb in range(3):
+            for t in range(4):
+                at = kb * 256 + 4 * t
+                want = np.stack([yq[col, at + 16 * s : at + 16 * s + 4] for s in range(16)])
+                assert np.array_equal(load_words(plain, col, kb, t, False), want)
+                assert np.array_equal(load_words(frag, col, kb, t, True), want)
+    bad = [
+        not np.array_equal(load_words(wrong, c, kb, t, True), load_words(plain, c, kb, t, False))
+        for c in range(3)
+        for kb in range(3)
+        for t in range(4)
+    ]
+    assert any(bad)
