@@ -12,9 +12,9 @@ the side-by-side build, so a kernel change is timed in one short call. Writes JS
        decode's dp4a kernel (mc_mmv_q4_0, the FFN's gate and up fused); under each --setting
        (environment variables the kernels read, e.g. MC_MMR_FORM=1; MC_MMR_FORM=4, patch 0025's
        warpgroup kernel, with --arch 90a), rounds in alternating order; each setting's output
-       checksums against the first setting's. With --columns 1, MC_LAB_PMV=1 runs a persistent decode
-       product written in the lab (each CTA streams whole rows through a ring of bulk-copy stages; =2:
-       its copies only, the structure's bound; MC_LAB_PMV_STAGES / _CTAS / _STAGE_KB), not the library's.
+       checksums against the first setting's. With --columns 1, MC_MMV_PERSIST=1 runs the library's
+       persistent decode kernel (patch 0031: each CTA streams whole rows through a ring of bulk-copy
+       stages; MC_MMV_PERSIST_STAGES / _CTAS / _STAGE_KB), MC_LAB_PMV_COPIES=1 its copies alone (a bound).
   wg: bench/gpu/wg_lab.cu, a standalone prototype (not in the patch series) of the 16-column product on
        sm_90a's asynchronous warpgroup MMAs, on the same product groups, checked against a host
        reference (which of the descriptor's two stride fields is which, tried both ways), for --wg 1

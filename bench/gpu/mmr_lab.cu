@@ -15,10 +15,11 @@
 // program says so and exits 2). The bulk form's launches choose the narrower forms as mc_mmr_launch does
 // (mc_mmr_rows_form; MC_MMR_ROWS32=0: never); their groups' k_slices read 200 (48-row tiles) or 100
 // (32-row) + the slices.
-// COLUMNS 1 with MC_LAB_PMV=1: a persistent decode product written in this lab (below), not the library's.
+// COLUMNS 1 with MC_MMV_PERSIST=1: the library's persistent decode kernel (patch 0031, mc_pmv_q4_0) through
+// the same launcher; MC_LAB_PMV_COPIES=1: that kernel's copies and waits alone (outputs 0: a bound).
 // Usage: mmr_lab REPEATS COLUMNS (COLUMNS 1 or 9..16); mmr_lab plan NSM OCC64 OCC48 OCC32 (no GPU: the
 // verify step's launch plans for that GPU's SMs and each row-tile form's blocks an SM); mmr_lab pmvplan
-// CTAS STAGE_KB (no GPU: MC_LAB_PMV's pieces)
+// CTAS STAGE_KB (no GPU: the persistent kernel's pieces)
 #include "mc-mmv.cu"
 #define LAB_GGML_STUBS
 #include "lab_common.cuh"
@@ -142,195 +143,6 @@ static std::vector<lab_group> lab_plan(const bool decode) {
     };
 }
 
-// ---- lab only (MC_LAB_PMV=1, COLUMNS 1): a persistent decode product, not in the patch series ----
-// The question it answers: how much of decode's gap to plain streaming (run AB: a step's products 4.26
-// ms in this lab against 3.40 for 256 launches of a read-only kernel, launch_probe) is the dp4a
-// kernel's many short blocks (two chunks of K each at K = 5,120: a fill, a drain and a block launch
-// per 8 rows) and its grid's last wave. Here each CTA stays for the whole launch and streams a
-// contiguous run of "pieces" (RS whole rows of one product: RS x row_bytes contiguous bytes, and the
-// gate's RS rows beside them for the FFN) through a ring of NS stages, thread 0 issuing one bulk copy
-// a matrix a piece on the stage's mbarrier as soon as the block has finished with that stage; the
-// CTAs' runs differ by at most one piece. Warp w takes row w / WPR of a piece (WPR = 8 / RS warps a
-// row), lane l the Q4_0 blocks q 32 + l + 32 WPR j of it (q = w % WPR); the lane's q8_1 activations
-// for those blocks (at most LAB_PMV_J of them) are loaded into registers once, before the first
-// piece, and reused for every row. Sums: a lane's blocks in j order, the warp's butterfly, the row's
-// warps in q order: deterministic (not bit-identical to mc_mmv_q4_0, whose blocks are summed in
-// another order).
-#define LAB_PMV_WARPS 8
-#define LAB_PMV_J 6  // a lane's Q4_0 blocks a row at most: the host keeps 32 WPR LAB_PMV_J >= K / 32
-#define LAB_PMV_MAX_STAGES 8
-#define LAB_PMV_PIECE_COST 2048  // a piece's fixed cost in bytes' worth (~0.15 us at an SM's share of 4 TB/s)
-
-struct lab_pmv_args {
-    mc_mm_group  grp;
-    const char * vgate;                       // the gated FFN's gate rows (grp.n == 1), else nullptr
-    const block_q8_1 * y;
-    int          nblocks;                     // Q4_0 blocks a row
-    int64_t      row_bytes;
-    int          rs;                          // rows a piece: 8, 4, 2 or 1
-    int          npieces;
-    int          piece_begin[MC_GROUP_MAX];   // each product's first piece
-    int          stages;
-    int          stage_bytes;                 // a stage's bytes (a multiple of 128)
-    int          glu_op;
-};
-
-template <bool GATE, bool MATH>  // MATH false (MC_LAB_PMV=2): the copies and waits only, outputs 0
-__launch_bounds__(LAB_PMV_WARPS * WARP_SIZE, 2)
-static __global__ void lab_pmv_q4_0(const lab_pmv_args a) {
-    extern __shared__ __align__(16) char lab_smem_raw[];
-    __shared__ uint64_t bars[LAB_PMV_MAX_STAGES];
-    __shared__ float    red[LAB_PMV_WARPS][2];
-    char *    smem = mc_smem_lines(lab_smem_raw);
-    const int tid  = threadIdx.x;
-    const int warp = tid / WARP_SIZE;
-    const int lane = tid % WARP_SIZE;
-    const int p0   = (int) ((int64_t) blockIdx.x * a.npieces / gridDim.x);
-    const int p1   = (int) ((int64_t) (blockIdx.x + 1) * a.npieces / gridDim.x);
-    const int n    = p1 - p0;
-
-    // piece p: its product s, first row and rows
-    auto locate = [&](const int p, int & s, int & row0, int & rows) {
-        s = 0;
-#pragma unroll
-        for (int i = 1; i < MC_GROUP_MAX; ++i) {
-            if (i < a.grp.n && p >= a.piece_begin[i]) {
-                s = i;
-            }
-        }
-        int first = 0;
-#pragma unroll
-        for (int i = 1; i < MC_GROUP_MAX; ++i) {
-            if (s == i) {
-                first = a.piece_begin[i];
-            }
-        }
-        row0 = (p - first) * a.rs;
-        rows = min(a.rs, mc_pick(a.grp.nrows, s) - row0);
-    };
-    auto issue = [&](const int i) {  // this CTA's i-th piece into stage i % stages (thread 0)
-        int s, row0, rows;
-        locate(p0 + i, s, row0, rows);
-        char *         st    = smem + (i % a.stages) * a.stage_bytes;
-        const uint32_t bytes = (uint32_t) (rows * a.row_bytes);
-        mc_mbar_arrive_expect(&bars[i % a.stages], GATE ? 2 * bytes : bytes);
-        mc_bulk_copy(st, mc_pick(a.grp.vx, s) + row0 * a.row_bytes, bytes, &bars[i % a.stages]);
-        if (GATE) {
-            mc_bulk_copy(st + a.rs * a.row_bytes, a.vgate + row0 * a.row_bytes, bytes, &bars[i % a.stages]);
-        }
-    };
-    if (tid == 0) {
-        for (int i = 0; i < a.stages; ++i) {
-            mc_mbar_init(&bars[i], 1);
-        }
-        for (int i = 0; i < min(n, a.stages); ++i) {
-            issue(i);
-        }
-    }
-    const int wpr = LAB_PMV_WARPS / a.rs;
-    const int r   = warp / wpr;   // this warp's row of a piece
-    const int q   = warp % wpr;   // its part of the row
-    int       u[LAB_PMV_J][8];
-    float2    ds[LAB_PMV_J];
-#pragma unroll
-    for (int j = 0; j < LAB_PMV_J; ++j) {
-        const int kb = q * WARP_SIZE + lane + WARP_SIZE * wpr * j;
-        if (kb < a.nblocks) {
-            mc_load_q8_1(a.y + kb, u[j], ds[j]);
-        }
-    }
-    __syncthreads();  // the barriers initialized before anyone waits on them
-
-    for (int i = 0; i < n; ++i) {
-        int s, row0, rows;
-        locate(p0 + i, s, row0, rows);
-        mc_mbar_wait(&bars[i % a.stages], (uint32_t) ((i / a.stages) & 1));
-        const char * st  = smem + (i % a.stages) * a.stage_bytes;
-        float        acc = 0.0f, accg = 0.0f;
-        if (MATH && r < rows) {
-            const char * wrow = st + r * a.row_bytes;
-#pragma unroll
-            for (int j = 0; j < LAB_PMV_J; ++j) {
-                const int kb = q * WARP_SIZE + lane + WARP_SIZE * wpr * j;
-                if (kb < a.nblocks) {
-                    int         v[4];
-                    const float d4 = mc_q4_0_unpack(wrow + kb * (int) sizeof(block_q4_0), v);
-                    acc += mc_q4_0_dot(d4, v, u[j], ds[j]);
-                    if (GATE) {
-                        const float g4 = mc_q4_0_unpack(wrow + a.rs * a.row_bytes + kb * (int) sizeof(block_q4_0), v);
-                        accg += mc_q4_0_dot(g4, v, u[j], ds[j]);
-                    }
-                }
-            }
-        }
-        acc = warp_reduce_sum<WARP_SIZE>(acc);
-        if (GATE) {
-            accg = warp_reduce_sum<WARP_SIZE>(accg);
-        }
-        if (wpr > 1) {
-            if (lane == 0) {
-                red[warp][0] = acc;
-                red[warp][1] = accg;
-            }
-            __syncthreads();
-            if (q == 0 && lane == 0) {
-                for (int k = 1; k < wpr; ++k) {
-                    acc += red[warp + k][0];
-                    accg += red[warp + k][1];
-                }
-            }
-        }
-        if (q == 0 && lane == 0 && r < rows) {
-            mc_pick(a.grp.dst, s)[row0 + r] = GATE ? mc_mmv_glu(acc, accg, a.glu_op, 0.0f) : acc;
-        }
-        __syncthreads();  // every warp done with this stage (and with red): refill it
-        if (tid == 0 && i + a.stages < n) {
-            issue(i + a.stages);
-        }
-    }
-}
-
-// the lab's settings for it: MC_LAB_PMV (0 / 1; 2: its copies and waits only, no arithmetic, outputs
-// 0: the structure's bound), MC_LAB_PMV_STAGES (2..8, default 4), MC_LAB_PMV_CTAS (CTAs an SM asked,
-// 1..2, default 2, fewer if they do not fit), MC_LAB_PMV_STAGE_KB (a stage's most kilobytes, 4..64,
-// default 24)
-struct lab_pmv_plan {
-    int rs;
-    int npieces;
-    int piece_begin[MC_GROUP_MAX];
-};
-
-// rows a piece for a group: the least work on the busiest CTA, ceil(pieces / ctas) x (a piece's bytes +
-// LAB_PMV_PIECE_COST for its wait and barriers), ties to more rows a piece; RS x NW x row_bytes within
-// the stage limit and a lane's blocks within LAB_PMV_J
-static lab_pmv_plan lab_pmv_choose(const mc_mm_group & grp, const int nw, const int nblocks, const int64_t row_bytes,
-                                   const int ctas, const int stage_limit) {
-    lab_pmv_plan best{};
-    int64_t      best_cost = -1;
-    for (int rs = 8; rs >= 1; rs /= 2) {
-        const int wpr = LAB_PMV_WARPS / rs;
-        if ((int64_t) nw * rs * row_bytes > stage_limit || WARP_SIZE * wpr * LAB_PMV_J < nblocks) {
-            continue;
-        }
-        lab_pmv_plan p{};
-        p.rs = rs;
-        for (int i = 0; i < grp.n; ++i) {
-            p.piece_begin[i] = p.npieces;
-            p.npieces += (grp.nrows[i] + rs - 1) / rs;
-        }
-        const int64_t cost = (int64_t) ((p.npieces + ctas - 1) / ctas) * (nw * rs * row_bytes + LAB_PMV_PIECE_COST);
-        if (best_cost < 0 || cost < best_cost) {
-            best      = p;
-            best_cost = cost;
-        }
-    }
-    if (best_cost < 0) {
-        fprintf(stderr, "mmr_lab: MC_LAB_PMV: no piece shape fits K = %d in MC_LAB_PMV_STAGE_KB\n", 32 * nblocks);
-        exit(2);
-    }
-    return best;
-}
-
 // a group's products' row counts (what the launch plans read of it)
 static mc_mm_group lab_rows_group(const lab_group & g) {
     mc_mm_group grp;
@@ -341,11 +153,12 @@ static mc_mm_group lab_rows_group(const lab_group & g) {
     return grp;
 }
 
-// MC_LAB_PMV's pieces for a decode group (the FFN's gate rows beside the up rows: two matrices a piece)
-static lab_pmv_plan lab_pmv_plan_for(const lab_group & g, const int ctas, const int stage_limit) {
+// the persistent decode kernel's pieces for a group (mc_pmv_choose; the FFN's gate rows beside the up
+// rows: two matrices a piece)
+static mc_pmv_plan lab_pmv_plan_for(const lab_group & g, const int ctas, const int stage_limit) {
     const int nblocks = g.k / QK4_0;
     const int nw      = std::string(g.name) == "ffn_gate_up" ? 2 : 1;
-    return lab_pmv_choose(lab_rows_group(g), nw, nblocks, (int64_t) nblocks * sizeof(block_q4_0), ctas, stage_limit);
+    return mc_pmv_choose(lab_rows_group(g), nw, nblocks, (int64_t) nblocks * sizeof(block_q4_0), ctas, stage_limit);
 }
 
 // a whole number, nothing after it
@@ -382,8 +195,9 @@ static int lab_print_plans(char ** argv) {
     return 0;
 }
 
-// mmr_lab pmvplan CTAS STAGE_KB: MC_LAB_PMV's pieces for the decode step's groups on CTAS CTAs with
-// stages of at most STAGE_KB kilobytes, without a GPU: one JSON line a group
+// mmr_lab pmvplan CTAS STAGE_KB: the persistent decode kernel's pieces (MC_MMV_PERSIST, patch 0031) for
+// the decode step's groups on CTAS CTAs with stages of at most STAGE_KB kilobytes, without a GPU: one
+// JSON line a group
 static int lab_print_pmv_plans(char ** argv) {
     int ctas = 0, kb = 0;
     if (!lab_whole(argv[2], ctas) || !lab_whole(argv[3], kb) || ctas < 1 || kb < 4 || kb > 64) {
@@ -391,7 +205,11 @@ static int lab_print_pmv_plans(char ** argv) {
         return 2;
     }
     for (const lab_group & g : lab_plan(true)) {
-        const lab_pmv_plan pl = lab_pmv_plan_for(g, ctas, kb * 1024);
+        const mc_pmv_plan pl = lab_pmv_plan_for(g, ctas, kb * 1024);
+        if (pl.rs == 0) {
+            fprintf(stderr, "mmr_lab: no piece shape fits K = %d in %d KB stages\n", g.k, kb);
+            return 2;
+        }
         printf("{\"kind\": \"pmvplan\", \"group\": \"%s\", \"rows_a_piece\": %d, \"pieces\": %d, "
                "\"busiest\": %d}\n", g.name, pl.rs, pl.npieces, (pl.npieces + ctas - 1) / ctas);
     }
@@ -528,37 +346,18 @@ int main(int argc, char ** argv) {
         }
         LAB_CHECK(cudaGetLastError());
     }
-    // MC_LAB_PMV (decode only): the persistent product above instead of mc_mmv_q4_0
-    const int pmv         = decode ? mc_env_int("MC_LAB_PMV", 0, 2, 0) : 0;  // 2: copies only (a bound)
-    const int pmv_stages  = mc_env_int("MC_LAB_PMV_STAGES", 2, LAB_PMV_MAX_STAGES, 4);
-    const int pmv_ctas_in = mc_env_int("MC_LAB_PMV_CTAS", 1, 2, 2);
-    const int pmv_kb      = mc_env_int("MC_LAB_PMV_STAGE_KB", 4, 64, 24);
-    std::vector<lab_pmv_plan> pmv_plans(plan.size());
-    int                       pmv_stage_bytes = 0;
-    int                       pmv_ctas = 0;
-    if (pmv) {
-        // one stage size for every group (its limit, on 128-byte lines), so one occupancy for all
-        const int    limit    = pmv_kb * 1024;
-        pmv_stage_bytes       = (limit + 127) / 128 * 128;
-        const size_t smem_max = (size_t) pmv_stages * pmv_stage_bytes + MC_SMEM_PAD;
-        int per_sm = pmv_ctas_in;
-        for (const auto k : { lab_pmv_q4_0<false, true>, lab_pmv_q4_0<true, true>, lab_pmv_q4_0<false, false>,
-                              lab_pmv_q4_0<true, false> }) {
-            int occ = 0;
-            LAB_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem_max));
-            LAB_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, k, LAB_PMV_WARPS * WARP_SIZE, smem_max));
-            per_sm = std::min(per_sm, occ);
+    // decode: MC_MMV_PERSIST=1 runs the library's persistent kernel (patch 0031) through mc_mmv_launch;
+    // MC_LAB_PMV_COPIES=1 that kernel's copies and waits alone (outputs 0: its structure's bound)
+    const int copies_only = decode ? mc_env_int("MC_LAB_PMV_COPIES", 0, 1, 0) : 0;
+    if (decode && (mc_pmv_on() || copies_only)) {
+        const mc_pmv_settings st   = mc_pmv_get_settings();
+        const size_t          smem = (size_t) st.stages * st.stage_bytes + MC_SMEM_PAD;
+        const int             ctas = mc_pmv_ctas<false, true>(smem);
+        for (const lab_group & g : plan) {
+            const mc_pmv_plan pl = lab_pmv_plan_for(g, ctas, st.stage_bytes);
+            printf("{\"kind\": \"pmv\", \"group\": \"%s\", \"ctas\": %d, \"stages\": %d, \"stage_bytes\": %d, "
+                   "\"rows_a_piece\": %d, \"pieces\": %d}\n", g.name, ctas, st.stages, st.stage_bytes, pl.rs, pl.npieces);
         }
-        if (per_sm < 1) {
-            fprintf(stderr, "mmr_lab: MC_LAB_PMV: %zu bytes of shared memory a CTA do not fit an SM\n", smem_max);
-            return 2;
-        }
-        pmv_ctas = per_sm * nsm;
-        for (size_t gi = 0; gi < plan.size(); gi++) {
-            pmv_plans[gi] = lab_pmv_plan_for(plan[gi], pmv_ctas, limit);
-        }
-        printf("{\"kind\": \"pmv\", \"ctas\": %d, \"stages\": %d, \"stage_kb\": %d}\n", pmv_ctas, pmv_stages,
-               pmv_kb);
     }
     float * partials;
     LAB_CHECK(cudaMalloc(&partials, sizeof(float) * max_partials));
@@ -576,26 +375,19 @@ int main(int argc, char ** argv) {
             grp.nrows[p]          = g.rows[p];
             grp.stride_col_dst[p] = g.rows[p];
         }
-        if (decode && pmv) {
-            lab_pmv_args a{};
-            a.grp       = grp;
-            a.vgate     = sets[gi][s].gate;
-            a.y         = yq[gi];
-            a.nblocks   = g.k / QK4_0;
-            a.row_bytes = (int64_t) a.nblocks * sizeof(block_q4_0);
-            a.rs        = pmv_plans[gi].rs;
-            a.npieces   = pmv_plans[gi].npieces;
-            for (int p = 0; p < MC_GROUP_MAX; p++) {
-                a.piece_begin[p] = pmv_plans[gi].piece_begin[p];
+        if (decode && copies_only) {
+            const int     nblocks   = g.k / QK4_0;
+            const int64_t row_bytes = (int64_t) nblocks * sizeof(block_q4_0);
+            const char *  gate      = sets[gi][s].gate;
+            const bool    ok        = gate ? mc_pmv_launch<true, false>(grp, gate, yq[gi], GGML_GLU_OP_SWIGLU, 0.0f,
+                                                                        nblocks, row_bytes, nullptr)
+                                           : mc_pmv_launch<false, false>(grp, nullptr, yq[gi], 0, 0.0f, nblocks,
+                                                                         row_bytes, nullptr);
+            if (!ok) {
+                fprintf(stderr, "mmr_lab: MC_LAB_PMV_COPIES: the persistent kernel does not run here\n");
+                exit(2);
             }
-            a.stages      = pmv_stages;
-            a.stage_bytes = pmv_stage_bytes;
-            a.glu_op      = GGML_GLU_OP_SWIGLU;
-            const size_t smem_pmv = (size_t) a.stages * a.stage_bytes + MC_SMEM_PAD;
-            const auto k = a.vgate != nullptr ? (pmv == 1 ? lab_pmv_q4_0<true, true> : lab_pmv_q4_0<true, false>)
-                                              : (pmv == 1 ? lab_pmv_q4_0<false, true> : lab_pmv_q4_0<false, false>);
-            k<<<pmv_ctas, LAB_PMV_WARPS * WARP_SIZE, smem_pmv>>>(a);
-            return 1000 + a.rs;  // the persistent product: 1000 + rows a piece
+            return 1;
         }
         if (decode) {
             const int     nblocks   = g.k / QK4_0;

@@ -176,12 +176,13 @@ def test_the_verify_steps_row_tile_forms_follow_the_wave_model(compiled_lab):
 
 
 def test_the_persistent_decode_products_pieces(compiled_lab):
-    """The lab-only persistent decode product (MC_LAB_PMV): each group's rows a piece, chosen without a GPU
-    (mmr_lab pmvplan CTAS STAGE_KB). On an H200's 264 CTAs (2 an SM) with 24 KB stages: 8-row pieces for
+    """The persistent decode kernel (patch 0031, MC_MMV_PERSIST): each group's rows a piece as the library's
+    mc_pmv_choose picks them, without a GPU (mmr_lab pmvplan CTAS STAGE_KB). On an H200's 264 CTAs (2 an
+    SM) with 24 KB stages (the defaults): 8-row pieces for
     the GDN and attention inputs (23,040 bytes), 4 for the out projection (K = 6,144: 8 rows would be
     27,648 bytes), 4 for the gated FFN (its gate rows beside the up rows), 2 for ffn_down (9,792 bytes a
     row); the busiest CTA has at most one piece more than the mean. A stage too small for one row of
-    ffn_down is a clear error, as are bad arguments."""
+    ffn_down is a clear error (the library falls back to the dp4a kernel there), as are bad arguments."""
     exe = compiled_lab("mmr")
 
     def pmv(*args: str) -> subprocess.CompletedProcess:

@@ -110,6 +110,12 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     assert all(int(r) <= 168 for _, _, r in q6km), q6km
     assert "Compiling entry function '_Z16mc_q6km_quantizeILb0E" in report
     assert "Compiling entry function '_Z16mc_q6km_quantizeILb1E" in report
+    # the persistent one-column kernel (patch 0031, MC_MMV_PERSIST): plain and gated, with its arithmetic
+    # (the copies-only form is the mmr lab's), registers for 2 CTAs of 256 threads an SM (65,536 / 512)
+    name = r"Compiling entry function '_Z11mc_pmv_q4_0ILb(\d)ELb(\d)EE\w+'.*?Used (\d+) registers"
+    pmv = re.findall(name, report, re.S)
+    assert sorted((g, m) for g, m, _ in pmv) == [("0", "1"), ("1", "1")], pmv
+    assert all(int(r) <= 128 for *_, r in pmv), pmv
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), spills
 
@@ -181,15 +187,27 @@ def test_bulk_copies_land_on_128_byte_lines(patched):
     run = c_body(source, "static bool mc_mmr_run(")
     assert "(size_t) 3 * MC_MMQ_WARPS * MC_MMR_ITEMS(2) * 512 + MC_SMEM_PAD;" in run
     assert run.count("smpbo") == 1
-    # every bulk copy (but the helper's definition) is made in one of those two kernels
+    # patch 0031's persistent one-column kernel likewise: its stages from the aligned base, its launcher
+    # allocating the pad
+    pmv = c_body(source, "static __global__ void mc_pmv_q4_0(")
+    assert "char *    smem = mc_smem_lines(mc_smem_raw);" in pmv
+    assert re.search(r"\bmc_smem_raw\s*\+", pmv) is None
+    head = "static bool mc_pmv_launch(const mc_mm_group & grp, const char * vgate, const block_q8_1 * y, "
+    plaunch = c_body(source, head + "const int glu_op,")
+    assert "const size_t          smem = (size_t) st.stages * st.stage_bytes + MC_SMEM_PAD;" in plaunch
+    # every bulk copy (but the helper's definition) is made in one of those three kernels
     spans = []
-    for head in ("static __global__ void mc_mmr_q4_0(", "static __global__ void mc_mmw_q4_0("):
+    for head in (
+        "static __global__ void mc_mmr_q4_0(",
+        "static __global__ void mc_mmw_q4_0(",
+        "static __global__ void mc_pmv_q4_0(",
+    ):
         start = source.index(head)
         spans.append((start, source.index("\n}\n", start)))
     calls = [m.start() for m in re.finditer(r"\bmc_bulk_copy\(", source)]
     definition = source.index("void mc_bulk_copy(")
     inside = [c for c in calls if any(a < c < b for a, b in spans)]
-    assert len(calls) >= 5 and sorted([*inside, definition + len("void ")]) == calls
+    assert len(calls) >= 7 and sorted([*inside, definition + len("void ")]) == calls
 
 
 def test_the_k_slices_last_cta_loads_its_partials_together_in_slice_order(patched):
@@ -261,6 +279,39 @@ def test_the_q6k_activations_fragment_order_matches_its_emulation(patched):
     try_ = c_body(source, "static bool mc_mmq_q6_K_try(")
     assert 'mc_env_int("MC_MMQ_Q6K_FRAG", 0, 1, 0)' in try_
     assert "mc_mmq_q6_K_launch<2, true>" in try_ and "mc_mmq_q6_K_launch<2, false>" in try_
+
+
+def test_the_persistent_one_column_kernel_is_wired_and_falls_back(patched):
+    """Patch 0031 (MC_MMV_PERSIST, off by default until measured): one column's products (plain, grouped,
+    the gated FFN) go to the persistent kernel when the setting is on and nothing rules it out (biases,
+    a GPU before Hopper or a build without its code, rows or weights not 16-byte aligned, no piece
+    shape that fits the stages), else to mc_mmv_q4_0 as before; its first stages are requested before
+    the PDL wait and the activations read after it; its stage waits and refills keep the ring's order."""
+    source = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
+    assert 'mc_env_int("MC_MMV_PERSIST", 0, 1, 0)' in source
+    launch = c_body(source, "template <int NC, bool GATE>\nstatic void mc_mmv_launch(")
+    hook = launch.index("if constexpr (NC == 1) {")
+    assert "mc_pmv_on() && !x_bias && !gate_bias &&" in launch[hook:]
+    persist = launch.index("mc_pmv_launch<GATE, true>(")
+    assert hook < persist < launch.index("return;") < launch.index("mc_mmv_q4_0<NC, GATE>")
+    # the definition (a declaration before mc_mmv_launch has the same head up to its parameters)
+    head = "static bool mc_pmv_launch(const mc_mm_group & grp, const char * vgate, const block_q8_1 * y, "
+    run = c_body(source, head + "const int glu_op,")
+    for rule in (
+        "cc < GGML_CUDA_CC_HOPPER || ggml_cuda_highest_compiled_arch(cc) < GGML_CUDA_CC_HOPPER",
+        "row_bytes % 16 != 0",
+        "(uintptr_t) grp.vx[i] % 16 != 0",
+        "if (plan.rs == 0) {",
+        "if (ctas < 1) {",
+    ):
+        assert rule in run, rule
+    kernel = c_body(source, "template <bool GATE, bool MATH>\n__launch_bounds__(MC_PMV_WARPS * WARP_SIZE, 2)")
+    first, pdl = kernel.index("issue(i);"), kernel.index("ggml_cuda_pdl_sync();")
+    assert first < pdl < kernel.index("mc_load_q8_1(a.y + kb, u[j], ds[j]);")
+    loop = kernel[kernel.index("for (int i = 0; i < n; ++i) {") :]
+    wait = loop.index("mc_mbar_wait(&bars[i % a.stages], (uint32_t) ((i / a.stages) & 1));")
+    last_sync = loop.rindex("__syncthreads();")
+    assert wait < last_sync < loop.index("issue(i + a.stages);")
 
 
 def c_body(source: str, head: str) -> str:
