@@ -58,6 +58,12 @@ DEADLINE=${1:-570}
 ROOT=$(pwd)
 S=${MC_STATE:-/tmp/mcs}
 : "${OUT:?set OUT to the folder for results}"
+DRAWS=${MC_SBS_DRAWS:-3}  # checked before anything is built or fetched
+case $DRAWS in '' | *[!0-9]*) DRAWS_OK=0 ;; *) DRAWS_OK=$(( 10#$DRAWS >= 1 )) ;; esac
+[ "$DRAWS_OK" = 1 ] || { echo "MC_SBS_DRAWS=$DRAWS: expected a whole number of at least 1"; exit 2; }
+DRAWS=$(( 10#$DRAWS ))
+# a command run DRAWS times, one process after another (each draw's JSON lines follow the last's)
+REPEAT=(bash -c 'n=$1; shift; for _ in $(seq "$n"); do "$@" || exit; done' draws "$DRAWS")
 SDIST=${MC_SDIST:-.device/llama_cpp_python-0.3.36.tar.gz}
 if [ ! -f "$SDIST" ]; then  # a machine with network: fetch the pinned sdist and pack it
   mkdir -p "$(dirname "$SDIST")" && python3 ggml-patches/build.py --pack-sdist "$SDIST" || { echo "no sdist at $SDIST"; exit 1; }
@@ -71,10 +77,6 @@ MC_SBS_PROFILE_K=${MC_SBS_PROFILE_K:-1}
 OPS=${MC_SBS_OPS:-MUL_MAT,MUL_MAT_VEC_FUSION,MC_MUL_MAT_GROUP,GATED_DELTA_NET,GATED_DELTA_NET_CACHE_FUSION,MC_GDN_LAYER,SSM_CONV,RMS_NORM,RMS_NORM_MUL_ADD,MC_ADD_RMS_NORM_MUL,CONCAT}
 MEASURE=,${MC_SBS_MEASURE:-logits,tg,verify1,verify12,batched},  # which measurements per build
 ENGINE_ARGS=${MC_ENGINE_ARGS:---tasks 12}
-DRAWS=${MC_SBS_DRAWS:-3}
-case $DRAWS in '' | *[!0-9]* | 0) echo "MC_SBS_DRAWS=$DRAWS: expected a whole number of at least 1"; exit 2 ;; esac
-# a command run DRAWS times, one process after another (each draw's JSON lines follow the last's)
-REPEAT=(bash -c 'n=$1; shift; for _ in $(seq "$n"); do "$@" || exit; done' draws "$DRAWS")
 mkdir -p "$S" "$OUT"
 export PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore

@@ -1,0 +1,51 @@
+"""bench/gpu/side_by_side.sh refuses a bad MC_SBS_DRAWS (how many processes each verify measure runs)
+with a clear message before it builds or fetches anything; a good value passes that check. The
+measuring itself needs a GPU (bench/results)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu" / "side_by_side.sh"
+
+
+def run(draws: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    # MC_SDIST names a file that does not exist, so a run past the check stops at once ("no sdist")
+    # instead of fetching: the check's place before the sdist is part of what this asserts
+    env = {
+        **os.environ,
+        "OUT": str(tmp_path / "out"),
+        "MC_STATE": str(tmp_path / "state"),
+        "MC_SBS_DRAWS": draws,
+        "MC_SDIST": str(tmp_path / "missing" / "sdist.tar.gz"),
+        "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+    }
+    # a python3 that fails, so the sdist step cannot reach the network
+    (tmp_path / "bin").mkdir(exist_ok=True)
+    fake = tmp_path / "bin" / "python3"
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    fake.chmod(0o755)
+    return subprocess.run(
+        ["bash", str(SCRIPT), "30"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_bad_draws_are_refused_before_anything_runs(tmp_path):
+    for bad in ("0", "00", "x", "-1", "2.5", "3 4", ""):
+        res = run(bad, tmp_path)
+        if bad == "":  # empty: the default (3), so it passes the check and stops at the missing sdist
+            assert res.returncode == 1 and "no sdist at" in res.stdout, res.stdout
+            continue
+        assert res.returncode == 2, (bad, res.stdout, res.stderr)
+        assert f"MC_SBS_DRAWS={bad}: expected a whole number of at least 1" in res.stdout
+        assert not (tmp_path / "state").exists()  # nothing made
+
+
+def test_good_draws_pass_the_check(tmp_path):
+    for good in ("5", "08"):  # a leading zero is a decimal number here, not an octal one
+        res = run(good, tmp_path)
+        assert res.returncode == 1 and "no sdist at" in res.stdout, (good, res.stdout, res.stderr)
+        assert "MC_SBS_DRAWS" not in res.stdout and "value too great" not in res.stderr
