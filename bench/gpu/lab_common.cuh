@@ -2,7 +2,8 @@
 // the program with its place and message; a step's launches timed group by group (lab_time_groups); with LAB_GGML_STUBS (the labs that include a patched ggml-cuda
 // source file), the host functions of libggml-base / ggml-cuda that the included launchers name and
 // both labs need, as stubs that stop the program (the labs launch the kernels themselves, so none runs),
-// except ggml_cuda_get_device, which the launch helper the launchers share calls
+// except ggml_cuda_get_device, which the launch helper the launchers share calls, and ggml_cuda_info
+// (the device's shape), which the persistent decode kernel's launcher reads
 #pragma once
 #include <cuda_runtime.h>
 
@@ -66,8 +67,25 @@ void ggml_cuda_error(const char *, const char *, const char *, int, const char *
     lab_unreachable(msg);
 }
 
+// real, the fields the launchers the labs call read (NVIDIA's cc as ggml-cuda.cu sets it: 100 major +
+// 10 minor; SMs; shared memory a block, with and without opt-in), once
 const ggml_cuda_device_info & ggml_cuda_info() {
-    lab_unreachable("ggml_cuda_info");
+    static const ggml_cuda_device_info info = [] {
+        ggml_cuda_device_info in{};
+        LAB_CHECK(cudaGetDeviceCount(&in.device_count));
+        in.physical_device_count = in.device_count;
+        for (int id = 0; id < in.device_count && id < GGML_CUDA_MAX_DEVICES; id++) {
+            cudaDeviceProp prop;
+            LAB_CHECK(cudaGetDeviceProperties(&prop, id));
+            in.devices[id].cc        = 100 * prop.major + 10 * prop.minor;
+            in.devices[id].nsm       = prop.multiProcessorCount;
+            in.devices[id].smpb      = prop.sharedMemPerBlock;
+            in.devices[id].smpbo     = prop.sharedMemPerBlockOptin;
+            in.devices[id].warp_size = prop.warpSize;
+        }
+        return in;
+    }();
+    return info;
 }
 
 void ggml_cuda_set_device(int) {

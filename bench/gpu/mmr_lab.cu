@@ -375,23 +375,21 @@ int main(int argc, char ** argv) {
             grp.nrows[p]          = g.rows[p];
             grp.stride_col_dst[p] = g.rows[p];
         }
-        if (decode && copies_only) {
-            const int     nblocks   = g.k / QK4_0;
-            const int64_t row_bytes = (int64_t) nblocks * sizeof(block_q4_0);
-            const char *  gate      = sets[gi][s].gate;
-            const bool    ok        = gate ? mc_pmv_launch<true, false>(grp, gate, yq[gi], GGML_GLU_OP_SWIGLU, 0.0f,
-                                                                        nblocks, row_bytes, nullptr)
-                                           : mc_pmv_launch<false, false>(grp, nullptr, yq[gi], 0, 0.0f, nblocks,
-                                                                         row_bytes, nullptr);
-            if (!ok) {
-                fprintf(stderr, "mmr_lab: MC_LAB_PMV_COPIES: the persistent kernel does not run here\n");
-                exit(2);
-            }
-            return 1;
-        }
         if (decode) {
             const int     nblocks   = g.k / QK4_0;
             const int64_t row_bytes = (int64_t) nblocks * sizeof(block_q4_0);
+            if (copies_only) {
+                const char * gate = sets[gi][s].gate;
+                const bool   ok   = gate ? mc_pmv_launch<true, false>(grp, gate, yq[gi], GGML_GLU_OP_SWIGLU, 0.0f,
+                                                                      nblocks, row_bytes, nullptr)
+                                         : mc_pmv_launch<false, false>(grp, nullptr, yq[gi], 0, 0.0f, nblocks,
+                                                                       row_bytes, nullptr);
+                if (!ok) {
+                    fprintf(stderr, "mmr_lab: MC_LAB_PMV_COPIES: the persistent kernel does not run here\n");
+                    exit(2);
+                }
+                return 1;
+            }
             if (sets[gi][s].gate != nullptr) {
                 mc_mmv_launch<1, true>(grp, sets[gi][s].gate, yq[gi], nullptr, nullptr, GGML_GLU_OP_SWIGLU, 0.0f,
                                        nblocks, row_bytes, nblocks, nullptr);
