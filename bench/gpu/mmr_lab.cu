@@ -16,7 +16,8 @@
 // (mc_mmr_rows_form; MC_MMR_ROWS32=0: never); their groups' k_slices read 200 (48-row tiles) or 100
 // (32-row) + the slices.
 // COLUMNS 1 with MC_MMV_PERSIST=1: the library's persistent decode kernel (patch 0031, mc_pmv_q4_0) through
-// the same launcher; MC_LAB_PMV_COPIES=1: that kernel's copies and waits alone (outputs 0: a bound).
+// the same launcher; MC_LAB_PMV_COPIES=1: that kernel's copies and waits alone where it runs (outputs 0:
+// a bound; the groups it declines, mc_pmv_worth, on mc_mmv_q4_0 as in a step).
 // Usage: mmr_lab REPEATS COLUMNS (COLUMNS 1 or 9..16); mmr_lab plan NSM OCC64 OCC48 OCC32 (no GPU: the
 // verify step's launch plans for that GPU's SMs and each row-tile form's blocks an SM); mmr_lab pmvplan
 // CTAS STAGE_KB (no GPU: the persistent kernel's pieces)
@@ -211,7 +212,8 @@ static int lab_print_pmv_plans(char ** argv) {
             return 2;
         }
         printf("{\"kind\": \"pmvplan\", \"group\": \"%s\", \"rows_a_piece\": %d, \"pieces\": %d, "
-               "\"busiest\": %d}\n", g.name, pl.rs, pl.npieces, (pl.npieces + ctas - 1) / ctas);
+               "\"busiest\": %d, \"persistent\": %s}\n", g.name, pl.rs, pl.npieces, (pl.npieces + ctas - 1) / ctas,
+               mc_pmv_worth(pl, ctas, mc_pmv_get_settings().min_pieces) ? "true" : "false");
     }
     return 0;
 }
@@ -347,7 +349,8 @@ int main(int argc, char ** argv) {
         LAB_CHECK(cudaGetLastError());
     }
     // decode: MC_MMV_PERSIST=1 runs the library's persistent kernel (patch 0031) through mc_mmv_launch;
-    // MC_LAB_PMV_COPIES=1 that kernel's copies and waits alone (outputs 0: its structure's bound)
+    // MC_LAB_PMV_COPIES=1 that kernel's copies and waits alone (outputs 0: its structure's bound) where
+    // it runs ("persistent" true below)
     const int copies_only = decode ? mc_env_int("MC_LAB_PMV_COPIES", 0, 1, 0) : 0;
     if (decode && (mc_pmv_on() || copies_only)) {
         const mc_pmv_settings st   = mc_pmv_get_settings();
@@ -355,8 +358,10 @@ int main(int argc, char ** argv) {
         const int             ctas = mc_pmv_ctas<false, true>(smem);
         for (const lab_group & g : plan) {
             const mc_pmv_plan pl = lab_pmv_plan_for(g, ctas, st.stage_bytes);
+            const bool on = pl.rs > 0 && mc_pmv_worth(pl, ctas, st.min_pieces);  // else mc_mmv_q4_0
             printf("{\"kind\": \"pmv\", \"group\": \"%s\", \"ctas\": %d, \"stages\": %d, \"stage_bytes\": %d, "
-                   "\"rows_a_piece\": %d, \"pieces\": %d}\n", g.name, ctas, st.stages, st.stage_bytes, pl.rs, pl.npieces);
+                   "\"rows_a_piece\": %d, \"pieces\": %d, \"persistent\": %s}\n", g.name, ctas, st.stages,
+                   st.stage_bytes, pl.rs, pl.npieces, on ? "true" : "false");
         }
     }
     float * partials;
@@ -384,11 +389,10 @@ int main(int argc, char ** argv) {
                                                                       nblocks, row_bytes, nullptr)
                                          : mc_pmv_launch<false, false>(grp, nullptr, yq[gi], 0, 0.0f, nblocks,
                                                                        row_bytes, nullptr);
-                if (!ok) {
-                    fprintf(stderr, "mmr_lab: MC_LAB_PMV_COPIES: the persistent kernel does not run here\n");
-                    exit(2);
+                if (ok) {
+                    return 1;
                 }
-                return 1;
+                // declined (mc_pmv_worth, its "persistent" above): the library's kernel, as in a step
             }
             if (sets[gi][s].gate != nullptr) {
                 mc_mmv_launch<1, true>(grp, sets[gi][s].gate, yq[gi], nullptr, nullptr, GGML_GLU_OP_SWIGLU, 0.0f,

@@ -181,8 +181,11 @@ def test_the_persistent_decode_products_pieces(compiled_lab):
     SM) with 24 KB stages (the defaults): 8-row pieces for
     the GDN and attention inputs (23,040 bytes), 4 for the out projection (K = 6,144: 8 rows would be
     27,648 bytes), 4 for the gated FFN (its gate rows beside the up rows), 2 for ffn_down (9,792 bytes a
-    row); the busiest CTA has at most one piece more than the mean. A stage too small for one row of
-    ffn_down is a clear error (the library falls back to the dp4a kernel there), as are bad arguments."""
+    row); the busiest CTA has at most one piece more than the mean. The kernel runs only where it won in
+    the mmr lab (mc_pmv_worth: a row on at most two warps, at least 6 pieces a CTA): the GDN and
+    attention inputs and the gated FFN, not the out projection (4.8 pieces a CTA) or ffn_down (four
+    warps a row). A stage too small for one row of ffn_down is a clear error (the library falls back
+    to the dp4a kernel there), as are bad arguments."""
     exe = compiled_lab("mmr")
 
     def pmv(*args: str) -> subprocess.CompletedProcess:
@@ -200,6 +203,7 @@ def test_the_persistent_decode_products_pieces(compiled_lab):
     }
     for r in got.values():
         assert r["busiest"] == -(-r["pieces"] // 264) and r["busiest"] - r["pieces"] / 264 < 1
+    assert {g for g, r in got.items() if r["persistent"]} == {"gdn_in", "attn_in", "ffn_gate_up"}
     small = pmv("264", "8")
     assert small.returncode == 2 and "no piece shape fits K = 17408" in small.stderr
     for bad in (["x", "24"], ["264", "3"], ["0", "24"], ["264", "65"]):

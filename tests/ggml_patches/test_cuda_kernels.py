@@ -301,17 +301,31 @@ def test_the_persistent_one_column_kernel_is_wired_and_falls_back(patched):
         "cc < GGML_CUDA_CC_HOPPER || ggml_cuda_highest_compiled_arch(cc) < GGML_CUDA_CC_HOPPER",
         "row_bytes % 16 != 0",
         "(uintptr_t) grp.vx[i] % 16 != 0",
-        "if (plan.rs == 0) {",
+        "if (plan.rs == 0 || !mc_pmv_worth(plan, ctas, st.min_pieces)) {",
         "if (ctas < 1) {",
     ):
         assert rule in run, rule
+    # where it runs: a row on at most two warps, at least MC_MMV_PERSIST_MIN_PIECES (6) pieces a CTA
+    worth = c_body(source, "static bool mc_pmv_worth(")
+    assert "MC_PMV_WARPS / plan.rs <= 2 && plan.npieces >= (int64_t) min_pieces * ctas" in worth
+    assert 'mc_env_int("MC_MMV_PERSIST_MIN_PIECES", 0, 64, 6)' in source
+    assert 'mc_env_int("MC_MMV_PERSIST_STAGES", 2, MC_PMV_MAX_STAGES, 3)' in source
+    # the dynamic shared memory allowed: the block's limit less the kernel's static part (the limit
+    # itself is refused as an invalid argument: run AP's first calls)
+    ctas = c_body(source, "template <bool GATE, bool MATH> static int mc_pmv_ctas(")
+    assert "CUDA_SET_SHARED_MEMORY_LIMIT(kernel, (int) dev.smpbo - static_bytes);" in ctas
+    assert "cudaFuncGetAttributes(&attr, kernel)" in ctas and "attr.sharedSizeBytes" in ctas
     kernel = c_body(source, "template <bool GATE, bool MATH>\n__launch_bounds__(MC_PMV_WARPS * WARP_SIZE, 2)")
-    first, pdl = kernel.index("issue(i);"), kernel.index("ggml_cuda_pdl_sync();")
+    first, pdl = kernel.index("issue(i, i);"), kernel.index("ggml_cuda_pdl_sync();")
     assert first < pdl < kernel.index("mc_load_q8_1(a.y + kb, u[j], ds[j]);")
     loop = kernel[kernel.index("for (int i = 0; i < n; ++i) {") :]
-    wait = loop.index("mc_mbar_wait(&bars[i % a.stages], (uint32_t) ((i / a.stages) & 1));")
+    wait = loop.index("mc_mbar_wait(&bars[stage], parity);")
     last_sync = loop.rindex("__syncthreads();")
-    assert wait < last_sync < loop.index("issue(i + a.stages);")
+    refill = loop.index("issue(i + a.stages, stage);")
+    # the stage and parity step as i does (i % stages, (i / stages) & 1), after the refill of that stage
+    step = loop.index("if (++stage == a.stages) {\n            stage = 0;\n            parity ^= 1u;")
+    assert wait < last_sync < refill < step
+    assert "int      stage  = 0;\n    uint32_t parity = 0;" in kernel
 
 
 def c_body(source: str, head: str) -> str:
