@@ -300,6 +300,7 @@ def test_the_persistent_one_column_kernel_is_wired_and_falls_back(patched):
     for rule in (
         "cc < GGML_CUDA_CC_HOPPER || ggml_cuda_highest_compiled_arch(cc) < GGML_CUDA_CC_HOPPER",
         "row_bytes % 16 != 0",
+        "(uintptr_t) y % 8 != 0",
         "(uintptr_t) grp.vx[i] % 16 != 0",
         "if (plan.rs == 0 || !mc_pmv_worth(plan, ctas, st.min_pieces)) {",
         "if (ctas < 1) {",
@@ -317,7 +318,8 @@ def test_the_persistent_one_column_kernel_is_wired_and_falls_back(patched):
     assert "cudaFuncGetAttributes(&attr, kernel)" in ctas and "attr.sharedSizeBytes" in ctas
     kernel = c_body(source, "template <bool GATE, bool MATH>\n__launch_bounds__(MC_PMV_WARPS * WARP_SIZE, 2)")
     first, pdl = kernel.index("issue(i, i);"), kernel.index("ggml_cuda_pdl_sync();")
-    assert first < pdl < kernel.index("mc_load_q8_1(a.y + kb, u[j], ds[j]);")
+    load_y = "mc_load_q8_1_pair(a.y + kb, u[2 * jp], ds[2 * jp], u[2 * jp + 1], ds[2 * jp + 1]);"
+    assert first < pdl < kernel.index(load_y)
     loop = kernel[kernel.index("for (int i = 0; i < n; ++i) {") :]
     wait = loop.index("mc_mbar_wait(&bars[stage], parity);")
     last_sync = loop.rindex("__syncthreads();")

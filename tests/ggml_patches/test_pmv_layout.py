@@ -1,14 +1,16 @@
 """The persistent one-column kernel (mc_pmv_q4_0, patch 0031): a byte-level emulation of how its lanes
 read a stage, with the word indices, the byte selector and the block indices taken from mc-mmv.cu.
 A lane reads a pair of Q4_0 blocks (36 bytes from an even block) as nine 32-bit words
-(mc_q4_0_unpack2): the first block's quants are bytes 2..5 of words i, i + 1 (__byte_perm), its scale
-the low half of word 0; the second block's quants are words 5..8, its scale the high half of word 4.
-The emulation must give every block's 16 quant bytes and scale as ggml lays out block_q4_0 (half d,
-uint8 qs[16]), every block of a row to exactly one lane of the row's warps, the 32 lanes' loads of one
-instruction in 32 different banks, and the row's product equal to a float64 product of the
-dequantized row and activations. This machine has no GPU: the GPU run compares the kernel itself
-against the CPU backend (test-backend-ops MUL_MAT / MUL_MAT_VEC_FUSION / MC_MUL_MAT_GROUP under
-MC_MMV_PERSIST=1)."""
+(mc_q4_0_unpack2), and the pair's q8_1 activations (72 bytes) as nine 64-bit words
+(mc_load_q8_1_pair). Weights: the first block's quants are bytes 2..5 of words i, i + 1
+(__byte_perm), its scale the low half of word 0; the second block's quants are words 5..8, its scale
+the high half of word 4. Activations: 18 32-bit words ds0, qs0 (8), ds1, qs1 (8). The emulation must
+give every block's 16 quant bytes and scale as ggml lays out block_q4_0 (half d, uint8 qs[16]), every
+q8_1 block's quant words and (d, s) as block_q8_1 lays them out, every block of a row to exactly one
+lane of the row's warps, the 32 lanes' loads of one instruction in 32 different banks, and the row's
+product equal to a float64 product of the dequantized row and activations. This machine has no GPU:
+the GPU run compares the kernel itself against the CPU backend (test-backend-ops MUL_MAT /
+MUL_MAT_VEC_FUSION / MC_MUL_MAT_GROUP under MC_MMV_PERSIST=1)."""
 
 from __future__ import annotations
 
@@ -40,10 +42,20 @@ def layout(patched) -> dict:
     assert "for (int i = 0; i < 9; ++i) {\n        x[i] = w[i];" in unpack
     kernel = body(source, "template <bool GATE, bool MATH>\n__launch_bounds__(MC_PMV_WARPS * WARP_SIZE, 2)")
     assert "const int kb = 2 * (q * WARP_SIZE + lane + WARP_SIZE * wpr * jp);" in kernel
-    assert "const int kb = 2 * (q * WARP_SIZE + lane + WARP_SIZE * wpr * (j / 2)) + j % 2;" in kernel
     assert "mc_q4_0_unpack2(wrow + kb * mc_q4_0_bytes, v0, v1, d0, d1);" in kernel
+    assert "mc_load_q8_1_pair(a.y + kb, u[2 * jp], ds[2 * jp], u[2 * jp + 1], ds[2 * jp + 1]);" in kernel
     assert "#define MC_PMV_J 6 " in source
-    return {"selector": int(sel.group(1), 16)}
+    load = body(source, "static __device__ __forceinline__ void mc_load_q8_1_pair(")
+    assert "for (int k = 0; k < 9; ++k) {\n        const uint2 v = __ldg(p + k);" in load
+    assert "w[2 * k]      = (int) v.x;" in load and "w[2 * k + 1]  = (int) v.y;" in load
+    u = re.search(r"u0\[i\] = w\[(\d+) \+ i\];\s+u1\[i\] = w\[(\d+) \+ i\];", load)
+    d = re.findall(r"ds(\d) = __half22float2\(\*\(const half2 \*\) &w\[(\d+)\]\);", load)
+    assert u and len(d) == 2, load
+    return {
+        "selector": int(sel.group(1), 16),
+        "u": (int(u.group(1)), int(u.group(2))),
+        "ds": {int(b): int(w) for b, w in d},
+    }
 
 
 def byte_perm(x: int, y: int, s: int) -> int:
@@ -62,6 +74,34 @@ def unpack2(row: np.ndarray, kb: int, selector: int):
     d0 = np.array([x[0] & 0xFFFF], np.uint16).view(np.float16)[0]
     d1 = np.array([x[4] >> 16], np.uint16).view(np.float16)[0]
     return v0, v1, float(d0), float(d1), [off // 4 + i for i in range(9)]
+
+
+def load_q8_1_pair(y: np.ndarray, kb: int, layout: dict):
+    """mc_load_q8_1_pair at block kb of y (bytes of block_q8_1: half2 ds = (d, s), int8 qs[32]): nine
+    64-bit words from byte 36 kb, as 18 32-bit words, the source's word indices."""
+    off = kb * 36
+    assert off % 8 == 0  # an even block where y is 8-byte aligned: whole 64-bit words
+    w = y[off : off + 72].view("<u8")
+    words = [int(v) >> (32 * h) & 0xFFFFFFFF for v in w for h in (0, 1)]
+    u = [[words[layout["u"][b] + i] for i in range(8)] for b in (0, 1)]
+    half2 = [np.array([words[layout["ds"][b]]], np.uint32).view(np.float16) for b in (0, 1)]
+    ds = [h.astype(float).tolist() for h in half2]
+    return u, ds
+
+
+def test_the_activation_pairs_are_the_blocks_words(layout):
+    """Every lane's two q8_1 blocks: the quants as 8 int words each (qs bytes 4 i..4 i + 3) and (d, s)."""
+    rng = np.random.default_rng(3)
+    nblocks = 544
+    y = np.zeros((nblocks, 36), np.uint8)
+    y[:, 0:4] = (rng.random((nblocks, 2)) - 0.5).astype(np.float16).view(np.uint8).reshape(nblocks, 4)
+    y[:, 4:] = rng.integers(0, 256, (nblocks, 32), dtype=np.uint8)
+    flat = y.reshape(-1)
+    for kb in range(0, nblocks, 2):
+        u, ds = load_q8_1_pair(flat, kb, layout)
+        for b in (0, 1):
+            assert u[b] == [int(v) for v in y[kb + b, 4:].view("<u4")], (kb, b)
+            assert ds[b] == y[kb + b, 0:4].view(np.float16).astype(float).tolist(), (kb, b)
 
 
 def q4_0_row(rng: np.random.Generator, nblocks: int) -> np.ndarray:
