@@ -19,14 +19,11 @@ import re
 import numpy as np
 import pytest
 
+from tests.ggml_patches.test_cuda_kernels import c_body
+
 BLOCK = 18  # block_q4_0: half d, uint8 qs[16]
 J = 6  # MC_PMV_J
 WARP = 32
-
-
-def body(source: str, head: str) -> str:
-    start = source.index(head)
-    return source[start : source.index("\n}\n", start)]
 
 
 @pytest.fixture(scope="module")
@@ -34,18 +31,18 @@ def layout(patched) -> dict:
     """The kernel's reads as written in mc-mmv.cu: the selector, the words of each part, the lane's
     pairs (any change to them must be made here too, and pass)."""
     source = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
-    unpack = body(source, "static __device__ __forceinline__ void mc_q4_0_unpack2(")
+    unpack = c_body(source, "static __device__ __forceinline__ void mc_q4_0_unpack2(")
     sel = re.search(r"v0\[i\] = \(int\) __byte_perm\(x\[i\], x\[i \+ 1\], (0x[0-9a-fA-F]+)\);", unpack)
     assert sel, unpack
     assert "v1[i] = (int) x[5 + i];" in unpack
     assert "(unsigned short) (x[0] & 0xFFFFu)" in unpack and "(unsigned short) (x[4] >> 16)" in unpack
     assert "for (int i = 0; i < 9; ++i) {\n        x[i] = w[i];" in unpack
-    kernel = body(source, "template <bool GATE, bool MATH>\n__launch_bounds__(MC_PMV_WARPS * WARP_SIZE, 2)")
+    kernel = c_body(source, "template <bool GATE, bool MATH>\n__launch_bounds__(MC_PMV_WARPS * WARP_SIZE, 2)")
     assert "const int kb = 2 * (q * WARP_SIZE + lane + WARP_SIZE * wpr * jp);" in kernel
     assert "mc_q4_0_unpack2(wrow + kb * mc_q4_0_bytes, v0, v1, d0, d1);" in kernel
     assert "mc_load_q8_1_pair(a.y + kb, u[2 * jp], ds[2 * jp], u[2 * jp + 1], ds[2 * jp + 1]);" in kernel
     assert "#define MC_PMV_J 6 " in source
-    load = body(source, "static __device__ __forceinline__ void mc_load_q8_1_pair(")
+    load = c_body(source, "static __device__ __forceinline__ void mc_load_q8_1_pair(")
     assert "for (int k = 0; k < 9; ++k) {\n        const uint2 v = __ldg(p + k);" in load
     assert "w[2 * k]      = (int) v.x;" in load and "w[2 * k + 1]  = (int) v.y;" in load
     u = re.search(r"u0\[i\] = w\[(\d+) \+ i\];\s+u1\[i\] = w\[(\d+) \+ i\];", load)
