@@ -190,8 +190,19 @@ def compare_logits(state: Path, build: str = "patched", ref: str = "stock") -> d
     n_vocab = info.get("n_vocab")
     if not n_vocab:
         return None
-    x = np.fromfile(a, dtype=np.float32).reshape(-1, n_vocab).astype(np.float64)
-    y = np.fromfile(b, dtype=np.float32).reshape(-1, n_vocab).astype(np.float64)
+    # mc_gpu_bench prints its line after writing every row: a run that stopped (an abort, a timeout)
+    # leaves a file without it, perhaps cut mid-row; say so instead of comparing (or failing on) it
+    if not json_lines(state / f"{build}-logits.out"):
+        return {"error": f"{build}-logits did not finish (no result line in {build}-logits.out)"}
+    x = np.fromfile(a, dtype=np.float32)
+    y = np.fromfile(b, dtype=np.float32)
+    if x.size % n_vocab or y.size != x.size:
+        return {
+            "error": f"{build}-logits.bin holds {y.size} floats against {x.size} in {ref}-logits.bin "
+            f"({n_vocab} a row)"
+        }
+    x = x.reshape(-1, n_vocab).astype(np.float64)
+    y = y.reshape(-1, n_vocab).astype(np.float64)
     rel = np.linalg.norm(y - x, axis=1) / np.linalg.norm(x, axis=1)
     return {
         "rows": int(x.shape[0]),

@@ -154,3 +154,40 @@ def test_verify_draws_give_the_median_and_each_draws_ratio(tmp_path):
     assert res["verify_ms_patched-va"] == {"1": 6.0, "16": 9.0}
     assert "verify1_draws_ms" not in res["builds"]["patched-va"]
     assert "verify16_over_1_draws_patched-va" not in res
+
+
+def test_logits_of_a_run_that_stopped_are_reported_not_compared(tmp_path):
+    # a setting's logits run that aborted mid-write (run AP: MC_MMV_PERSIST=1 before its fix) leaves a
+    # file cut mid-row and no result line: the summary says so and every other figure is still written;
+    # a finished run with the wrong number of rows is an error too, a matching one is compared
+    import numpy as np
+
+    st = tmp_path / "state"
+    st.mkdir()
+    make_state(st)
+    n_vocab, rows = 8, 3
+    line = json.dumps({"kind": "logits", "rows": rows, "n_vocab": n_vocab}) + "\n"
+    ref = np.arange(rows * n_vocab, dtype=np.float32) + 1
+    (st / "patched-logits.out").write_text(line)
+    ref.tofile(st / "patched-logits.bin")
+    (st / "patched-vp-logits.out").write_text("")
+    ref[: rows * n_vocab - 3].tofile(st / "patched-vp-logits.bin")
+    (st / "patched-vq-logits.out").write_text(line)
+    ref[:n_vocab].tofile(st / "patched-vq-logits.bin")
+    (st / "patched-vr-logits.out").write_text(line)
+    ref.tofile(st / "patched-vr-logits.bin")
+    for v in ("vp", "vq", "vr"):
+        (st / f"patched-{v}-tg.out").write_text((st / "patched-tg.out").read_text())
+    out = tmp_path / "summary.json"
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), str(st), "--out", str(out)], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+    res = json.loads(out.read_text())
+    assert res["logits_patched_vp_vs_patched"] == {
+        "error": "patched-vp-logits did not finish (no result line in patched-vp-logits.out)"
+    }
+    assert "holds 8 floats against 24" in res["logits_patched_vq_vs_patched"]["error"]
+    assert res["logits_patched_vr_vs_patched"]["argmax_agree"] == rows
+    assert res["logits_patched_vr_vs_patched"]["rel_l2_max"] == 0.0
+    assert res["tg_tok_s_patched"] == 120.0
