@@ -14,7 +14,7 @@ the side-by-side build, so a kernel change is timed in one short call. Writes JS
        warpgroup kernel, with --arch 90a), rounds in alternating order; each setting's output
        checksums against the first setting's. With --columns 1, MC_MMV_PERSIST=1 runs the library's
        persistent decode kernel (patch 0031: each CTA streams whole rows through a ring of bulk-copy
-       stages; MC_MMV_PERSIST_STAGES / _CTAS / _STAGE_KB / _MIN_PIECES; the groups it declines on the
+       stages; MC_MMV_PERSIST_STAGES / _CTAS / _STAGE_KB / _MIN_PIECES / _YSMEM; the groups it declines on the
        dp4a kernel), MC_LAB_PMV_COPIES=1 its copies alone (a bound).
   wg: bench/gpu/wg_lab.cu, a standalone prototype (not in the patch series) of the 16-column product on
        sm_90a's asynchronous warpgroup MMAs, on the same product groups, checked against a host

@@ -353,15 +353,14 @@ int main(int argc, char ** argv) {
     // it runs ("persistent" true below)
     const int copies_only = decode ? mc_env_int("MC_LAB_PMV_COPIES", 0, 1, 0) : 0;
     if (decode && (mc_pmv_on() || copies_only)) {
-        const mc_pmv_settings st   = mc_pmv_get_settings();
-        const size_t          smem = (size_t) st.stages * st.stage_bytes + MC_SMEM_PAD;
-        const int             ctas = mc_pmv_ctas<false, true>(smem);
+        const mc_pmv_settings st = mc_pmv_get_settings();
         for (const lab_group & g : plan) {
-            const mc_pmv_plan pl = lab_pmv_plan_for(g, ctas, st.stage_bytes);
+            const int         ctas = mc_pmv_ctas_for<false, true>(st, g.k / QK4_0);  // as the library's launch
+            const mc_pmv_plan pl   = lab_pmv_plan_for(g, ctas, st.stage_bytes);
             const bool on = pl.rs > 0 && mc_pmv_worth(pl, ctas, st.min_pieces);  // else mc_mmv_q4_0
             printf("{\"kind\": \"pmv\", \"group\": \"%s\", \"ctas\": %d, \"stages\": %d, \"stage_bytes\": %d, "
-                   "\"rows_a_piece\": %d, \"pieces\": %d, \"persistent\": %s}\n", g.name, ctas, st.stages,
-                   st.stage_bytes, pl.rs, pl.npieces, on ? "true" : "false");
+                   "\"rows_a_piece\": %d, \"pieces\": %d, \"persistent\": %s, \"yshared\": %d}\n", g.name, ctas,
+                   st.stages, st.stage_bytes, pl.rs, pl.npieces, on ? "true" : "false", st.yshared);
         }
     }
     float * partials;

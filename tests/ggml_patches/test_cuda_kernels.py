@@ -111,11 +111,18 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     assert "Compiling entry function '_Z16mc_q6km_quantizeILb0E" in report
     assert "Compiling entry function '_Z16mc_q6km_quantizeILb1E" in report
     # the persistent one-column kernel (patch 0031, MC_MMV_PERSIST): plain and gated, with its arithmetic
-    # (the copies-only form is the mmr lab's), registers for 2 CTAs of 256 threads an SM (65,536 / 512)
-    name = r"Compiling entry function '_Z11mc_pmv_q4_0ILb(\d)ELb(\d)EE\w+'.*?Used (\d+) registers"
+    # (the copies-only form is the mmr lab's), the activations in registers (registers for 2 CTAs of 256
+    # threads an SM: 65,536 / 512) or in shared memory (MC_MMV_PERSIST_YSMEM: 3 CTAs, 65,536 / 768 = 85,
+    # allocated in steps of 8)
+    name = r"Compiling entry function '_Z11mc_pmv_q4_0ILb(\d)ELb(\d)ELb(\d)EE\w+'.*?Used (\d+) registers"
     pmv = re.findall(name, report, re.S)
-    assert sorted((g, m) for g, m, _ in pmv) == [("0", "1"), ("1", "1")], pmv
-    assert all(int(r) <= 128 for *_, r in pmv), pmv
+    assert sorted((g, m, y) for g, m, y, _ in pmv) == [
+        ("0", "1", "0"),
+        ("0", "1", "1"),
+        ("1", "1", "0"),
+        ("1", "1", "1"),
+    ], pmv
+    assert all(int(r) <= (80 if y == "1" else 128) for *_, y, r in pmv), pmv
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), spills
 
@@ -192,9 +199,13 @@ def test_bulk_copies_land_on_128_byte_lines(patched):
     pmv = c_body(source, "static __global__ void mc_pmv_q4_0(")
     assert "char *    smem = mc_smem_lines(mc_smem_raw);" in pmv
     assert re.search(r"\bmc_smem_raw\s*\+", pmv) is None
-    head = "static bool mc_pmv_launch(const mc_mm_group & grp, const char * vgate, const block_q8_1 * y, "
-    plaunch = c_body(source, head + "const int glu_op,")
-    assert "const size_t          smem = (size_t) st.stages * st.stage_bytes + MC_SMEM_PAD;" in plaunch
+    sizes = c_body(source, "static size_t mc_pmv_smem(")
+    assert "return (size_t) st.stages * st.stage_bytes + y + MC_SMEM_PAD;" in sizes
+    # the activations' copy (YSMEM) past the stages: 128-byte aligned too (stage_bytes is a multiple of 128)
+    assert "((size_t) nblocks * sizeof(block_q8_1) + 127) / 128 * 128" in sizes
+    assert "(const block_q8_1 *) (smem + a.stages * a.stage_bytes);" in pmv
+    plaunch = c_body(source, "static bool mc_pmv_launch_as(")
+    assert "const size_t          smem = mc_pmv_smem(st, nblocks, YS);" in plaunch
     # every bulk copy (but the helper's definition) is made in one of those three kernels
     spans = []
     for head in (
@@ -297,6 +308,7 @@ def test_the_persistent_one_column_kernel_is_wired_and_falls_back(patched):
     # the definition (a declaration before mc_mmv_launch has the same head up to its parameters)
     head = "static bool mc_pmv_launch(const mc_mm_group & grp, const char * vgate, const block_q8_1 * y, "
     run = c_body(source, head + "const int glu_op,")
+    run += c_body(source, "static bool mc_pmv_launch_as(")
     for rule in (
         "cc < GGML_CUDA_CC_HOPPER || ggml_cuda_highest_compiled_arch(cc) < GGML_CUDA_CC_HOPPER",
         "row_bytes % 16 != 0",
@@ -304,8 +316,12 @@ def test_the_persistent_one_column_kernel_is_wired_and_falls_back(patched):
         "(uintptr_t) grp.vx[i] % 16 != 0",
         "if (plan.rs == 0 || !mc_pmv_worth(plan, ctas, st.min_pieces)) {",
         "if (ctas < 1) {",
+        # the activations in shared memory: one bulk copy, so 16-byte aligned
+        "return (uintptr_t) y % 16 == 0 &&",
     ):
         assert rule in run, rule
+    assert 'mc_env_int("MC_MMV_PERSIST_YSMEM", 0, 1, 0)' in source
+    assert 'mc_env_int("MC_MMV_PERSIST_CTAS", 1, 3, 2)' in source
     # where it runs: a row on at most two warps, at least MC_MMV_PERSIST_MIN_PIECES (6) pieces a CTA
     worth = c_body(source, "static bool mc_pmv_worth(")
     assert "MC_PMV_WARPS / plan.rs <= 2 && plan.npieces >= (int64_t) min_pieces * ctas" in worth
@@ -313,13 +329,18 @@ def test_the_persistent_one_column_kernel_is_wired_and_falls_back(patched):
     assert 'mc_env_int("MC_MMV_PERSIST_STAGES", 2, MC_PMV_MAX_STAGES, 3)' in source
     # the dynamic shared memory allowed: the block's limit less the kernel's static part (the limit
     # itself is refused as an invalid argument: run AP's first calls)
-    ctas = c_body(source, "template <bool GATE, bool MATH> static int mc_pmv_ctas(")
+    ctas = c_body(source, "template <bool GATE, bool MATH, bool YS> static int mc_pmv_ctas(")
     assert "CUDA_SET_SHARED_MEMORY_LIMIT(kernel, (int) dev.smpbo - static_bytes);" in ctas
     assert "cudaFuncGetAttributes(&attr, kernel)" in ctas and "attr.sharedSizeBytes" in ctas
-    kernel = c_body(source, "template <bool GATE, bool MATH>\n__launch_bounds__(MC_PMV_WARPS * WARP_SIZE, 2)")
+    kernel = c_body(source, KERNEL_HEAD)
     first, pdl = kernel.index("issue(i, i);"), kernel.index("ggml_cuda_pdl_sync();")
-    load_y = "mc_load_q8_1_pair(a.y + kb, u[2 * jp], ds[2 * jp], u[2 * jp + 1], ds[2 * jp + 1]);"
+    load_y = "mc_load_q8_1_pair<false>(a.y + kb, u[2 * jp], ds[2 * jp], u[2 * jp + 1], ds[2 * jp + 1]);"
     assert first < pdl < kernel.index(load_y)
+    # YS: the activations' copy after the PDL wait, waited on by every thread before the first piece
+    copy_y = kernel.index("mc_bulk_copy((void *) ys, a.y, (uint32_t) a.ybytes, ybar);")
+    wait_y = kernel.index("mc_mbar_wait(ybar, 0);")
+    assert pdl < copy_y < wait_y < kernel.index("for (int i = 0; i < n; ++i) {")
+    assert "mc_load_q8_1_pair<true>(ys + kb, y0, e0, y1, e1);" in kernel
     loop = kernel[kernel.index("for (int i = 0; i < n; ++i) {") :]
     wait = loop.index("mc_mbar_wait(&bars[stage], parity);")
     last_sync = loop.rindex("__syncthreads();")
@@ -328,6 +349,12 @@ def test_the_persistent_one_column_kernel_is_wired_and_falls_back(patched):
     step = loop.index("if (++stage == a.stages) {\n            stage = 0;\n            parity ^= 1u;")
     assert wait < last_sync < refill < step
     assert "int      stage  = 0;\n    uint32_t parity = 0;" in kernel
+
+
+# the persistent kernel's definition (patch 0031)
+KERNEL_HEAD = (
+    "template <bool GATE, bool MATH, bool YS>\n__launch_bounds__(MC_PMV_WARPS * WARP_SIZE, YS ? 3 : 2)"
+)
 
 
 def c_body(source: str, head: str) -> str:

@@ -19,7 +19,7 @@ import re
 import numpy as np
 import pytest
 
-from tests.ggml_patches.test_cuda_kernels import c_body
+from tests.ggml_patches.test_cuda_kernels import KERNEL_HEAD, c_body
 
 BLOCK = 18  # block_q4_0: half d, uint8 qs[16]
 J = 6  # MC_PMV_J
@@ -37,13 +37,16 @@ def layout(patched) -> dict:
     assert "v1[i] = (int) x[5 + i];" in unpack
     assert "(unsigned short) (x[0] & 0xFFFFu)" in unpack and "(unsigned short) (x[4] >> 16)" in unpack
     assert "for (int i = 0; i < 9; ++i) {\n        x[i] = w[i];" in unpack
-    kernel = c_body(source, "template <bool GATE, bool MATH>\n__launch_bounds__(MC_PMV_WARPS * WARP_SIZE, 2)")
+    kernel = c_body(source, KERNEL_HEAD)
     assert "const int kb = 2 * (q * WARP_SIZE + lane + WARP_SIZE * wpr * jp);" in kernel
     assert "mc_q4_0_unpack2(wrow + kb * mc_q4_0_bytes, v0, v1, d0, d1);" in kernel
-    assert "mc_load_q8_1_pair(a.y + kb, u[2 * jp], ds[2 * jp], u[2 * jp + 1], ds[2 * jp + 1]);" in kernel
+    # the activations from global memory into registers, or (YS) from shared memory at each pair
+    in_registers = "mc_load_q8_1_pair<false>(a.y + kb, u[2 * jp], ds[2 * jp], u[2 * jp + 1], ds[2 * jp + 1]);"
+    assert in_registers in kernel
+    assert "mc_load_q8_1_pair<true>(ys + kb, y0, e0, y1, e1);" in kernel
     assert "#define MC_PMV_J 6 " in source
     load = c_body(source, "static __device__ __forceinline__ void mc_load_q8_1_pair(")
-    assert "for (int k = 0; k < 9; ++k) {\n        const uint2 v = __ldg(p + k);" in load
+    assert "for (int k = 0; k < 9; ++k) {\n        const uint2 v = SHARED ? p[k] : __ldg(p + k);" in load
     assert "w[2 * k]      = (int) v.x;" in load and "w[2 * k + 1]  = (int) v.y;" in load
     u = re.search(r"u0\[i\] = w\[(\d+) \+ i\];\s+u1\[i\] = w\[(\d+) \+ i\];", load)
     d = re.findall(r"ds(\d) = __half22float2\(\*\(const half2 \*\) &w\[(\d+)\]\);", load)
