@@ -63,8 +63,11 @@ static float lab_time_groups(const int repeats, const size_t ngroups, N launches
     exit(1);
 }
 
-void ggml_cuda_error(const char *, const char *, const char *, int, const char * msg) {
-    lab_unreachable(msg);
+// a CUDA call the library checks failed (CUDA_CHECK): say which, as ggml does (run AP's labs read the
+// error as a host dependency reached: "invalid argument called", from cudaFuncSetAttribute)
+void ggml_cuda_error(const char * stmt, const char * func, const char * file, int line, const char * msg) {
+    fprintf(stderr, "lab: CUDA error: %s\n  in %s at %s:%d\n  %s\n", msg, func, file, line, stmt);
+    exit(1);
 }
 
 // real, the fields the launchers the labs call read (NVIDIA's cc as ggml-cuda.cu sets it: 100 major +
