@@ -15,8 +15,8 @@
 // program says so and exits 2). The bulk form's launches choose the narrower forms as mc_mmr_launch does
 // (mc_mmr_rows_form; MC_MMR_ROWS32=0: never); their groups' k_slices read 200 (48-row tiles) or 100
 // (32-row) + the slices.
-// COLUMNS 1 with MC_MMV_PERSIST=1: the library's persistent decode kernel (patch 0031, mc_pmv_q4_0) through
-// the same launcher; MC_LAB_PMV_COPIES=1: that kernel's copies and waits alone where it runs (outputs 0:
+// COLUMNS 1: the library's persistent decode kernel (patch 0031, mc_pmv_q4_0; on by default, MC_MMV_PERSIST=0:
+// mc_mmv_q4_0 throughout) through the same launcher; MC_LAB_PMV_COPIES=1: that kernel's copies and waits alone where it runs (outputs 0:
 // a bound; the groups it declines, mc_pmv_worth, on mc_mmv_q4_0 as in a step).
 // Usage: mmr_lab REPEATS COLUMNS (COLUMNS 1 or 9..16); mmr_lab plan NSM OCC64 OCC48 OCC32 (no GPU: the
 // verify step's launch plans for that GPU's SMs and each row-tile form's blocks an SM); mmr_lab pmvplan
@@ -348,7 +348,7 @@ int main(int argc, char ** argv) {
         }
         LAB_CHECK(cudaGetLastError());
     }
-    // decode: MC_MMV_PERSIST=1 runs the library's persistent kernel (patch 0031) through mc_mmv_launch;
+    // decode: the library's persistent kernel (patch 0031; MC_MMV_PERSIST=0: off) runs through mc_mmv_launch;
     // MC_LAB_PMV_COPIES=1 that kernel's copies and waits alone (outputs 0: its structure's bound) where
     // it runs ("persistent" true below)
     const int copies_only = decode ? mc_env_int("MC_LAB_PMV_COPIES", 0, 1, 0) : 0;
