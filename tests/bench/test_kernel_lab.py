@@ -211,6 +211,54 @@ def test_the_persistent_decode_products_pieces(compiled_lab):
         assert res.returncode == 2 and "usage: mmr_lab pmvplan CTAS STAGE_KB" in res.stderr, bad
 
 
+def test_the_persistent_verify_products_plan(compiled_lab):
+    """The persistent verify product (patch 0032, MC_MMR_PERSIST) through the library's mc_pmr_plan_for
+    and mc_pmr_worth, without a GPU (mmr_lab pmrplan SLOTS MODE). On an H200's 264 slots (2 CTAs an SM):
+    the GDN and attention inputs keep whole tiles (10 chunks a CTA; splitting the attention inputs'
+    would save less than the splits cost), the out projection and ffn_down (80 tiles: mc_mmr_q4_0
+    splits K there) and the FFN gate + up (544 tiles: three waves of 64-row tiles) are shared
+    stream-K, every tile of the first two in parts. Mode 2 runs only those three."""
+    exe = compiled_lab("mmr")
+
+    def pmr(*args: str, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(exe), "pmrplan", *args],
+            capture_output=True,
+            text=True,
+            check=False,
+            env={**os.environ, **env},
+        )
+
+    res = pmr("264", "1")
+    assert res.returncode == 0, res.stderr
+    got = {r["group"]: r for r in map(json.loads, res.stdout.splitlines())}
+    assert {g: (r["tiles"], r["chunks_a_tile"], r["units_a_cta"], r["ctas"]) for g, r in got.items()} == {
+        "gdn_in": (258, 10, 10, 258),
+        "attn_in": (224, 10, 10, 224),
+        "out": (80, 12, 4, 240),
+        "ffn_gate_up": (544, 10, 21, 260),
+        "ffn_down": (80, 34, 11, 248),
+    }
+    assert {g: (r["split_tiles"], r["most_parts"]) for g, r in got.items()} == {
+        "gdn_in": (0, 1),
+        "attn_in": (0, 1),
+        "out": (80, 3),
+        "ffn_gate_up": (234, 2),
+        "ffn_down": (80, 4),
+    }
+    assert all(r["persistent"] for r in got.values())
+    two = {r["group"]: r["persistent"] for r in map(json.loads, pmr("264", "2").stdout.splitlines())}
+    assert {g for g, on in two.items() if on} == {"out", "ffn_gate_up", "ffn_down"}
+    # splits free: the attention inputs in 9-chunk runs, each of their tiles in two parts
+    free = {
+        r["group"]: r for r in map(json.loads, pmr("264", "1", MC_MMR_PERSIST_SPLIT="0").stdout.splitlines())
+    }
+    assert (free["attn_in"]["units_a_cta"], free["attn_in"]["split_tiles"]) == (9, 224)
+    for bad in (["x", "1"], ["264", "0"], ["264", "3"], ["0", "1"]):
+        res = pmr(*bad)
+        assert res.returncode == 2 and "usage: mmr_lab pmrplan SLOTS MODE" in res.stderr, bad
+
+
 def test_bad_driver_arguments_are_clear_errors(monkeypatch, tmp_path):
     lab = load()
     for argv, msg in (

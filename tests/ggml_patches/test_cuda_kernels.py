@@ -123,8 +123,49 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
         ("1", "1", "1"),
     ], pmv
     assert all(int(r) <= (80 if y == "1" else 128) for *_, y, r in pmv), pmv
+    # the persistent verify product (patch 0032, MC_MMR_PERSIST): one and two tiles of 8 columns, 3
+    # stages, registers for 2 CTAs of 128 threads an SM (65,536 / 256 = 256)
+    name = r"Compiling entry function '_Z11mc_pmr_q4_0ILi(\d)ELi(\d)EE\w+'.*?Used (\d+) registers"
+    pmr = re.findall(name, report, re.S)
+    assert sorted((nt, st) for nt, st, _ in pmr) == [("1", "3"), ("2", "3")], pmr
+    assert all(int(r) <= 255 for *_, r in pmr), pmr
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), spills
+
+
+def test_the_persistent_verify_product_is_wired_and_falls_back(patched):
+    """Patch 0032 (MC_MMR_PERSIST, off by default until measured; 1: every group, 2: only where the
+    64-row grid leaves slots idle): the copies' 2..16-column products (bulk copies, 3 stages) go to the
+    persistent stream-K kernel unless no CTA fits or a group has more tiles than a counter region
+    holds, else to mc_mmr_q4_0 as before. In the kernel the first stages' weights are requested before
+    the PDL wait and the activations after it; the warps' sums meet in the stage just read, between
+    block barriers, with a proxy fence before the bulk copies may refill it; a split tile's last CTA
+    (a release-acquire counter) adds the parts and resets the counter. The CTA-run arithmetic itself
+    is emulated in test_pmr_plan.py."""
+    source = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
+    assert 'mc_env_int("MC_MMR_PERSIST", 0, 2, 0)' in source
+    launch = c_body(source, "template <int NT, int STAGES, bool BULK>\nstatic void mc_mmr_launch(")
+    hook = launch.index("if constexpr (BULK && STAGES == 3) {")
+    call = launch.index("mc_pmr_mode() != 0 && mc_pmr_launch<NT>(ctx, grp, y, x_bias, ncols, nquads, stream)")
+    assert hook < call < launch.index("mc_mmr_occupancy<NT, STAGES, BULK, 4, 2>()")
+    run = c_body(source, "static bool mc_pmr_launch(")
+    assert "if (occ < 1) {\n        return false;" in run
+    assert "if (pl.ntiles > MC_MMQ_COUNTERS_PER_REGION || !mc_pmr_worth(pl, slots, mc_pmr_mode())) {" in run
+    assert "ws(ctx.pool(), (size_t) 2 * pl.ctas * 8 * NT * MC_MMQ_ROWS)" in run  # 2 slots a CTA
+    worth = c_body(source, "static bool mc_pmr_worth(")
+    assert "return mode == 1 || (mode == 2 && (pl.ntiles > slots || 2 * pl.ntiles <= slots));" in worth
+    kernel = c_body(source, "static __global__ void mc_pmr_q4_0(")
+    pdl = kernel.index("ggml_cuda_pdl_sync();")
+    assert kernel.index("issue_w(ic, s);") < pdl < kernel.index("issue_y(c, s);")
+    assert "float *       red    = (float *) (smem + s * STAGE);" in kernel  # the stage just read
+    assert "is_last = mc_atom_add_acq_rel(counter, 1u) == (unsigned int) nparts - 1;" in kernel
+    assert "*counter = 0;" in kernel
+    reduce = c_body(source, "static __device__ __forceinline__ void mc_pmr_reduce(")
+    first_store = reduce.index("red[(warp * 8 * NT + col) * MC_PMR_PITCH + r] = acc[m][n][i];")
+    assert reduce.index("__syncthreads();") < first_store  # the other warps' last reads of the stage
+    fence = reduce.index('asm volatile("fence.proxy.async.shared::cta;" ::: "memory");')
+    assert reduce.index("v += red[") < fence < reduce.rindex("__syncthreads();")
+    assert "static_assert(MC_MMQ_WARPS * 8 * NT * MC_PMR_PITCH * sizeof(float) <= (size_t) STAGE," in kernel
 
 
 def test_the_warpgroup_form_compiles_for_sm_90a_and_is_wired(patched, tmp_path):
@@ -206,12 +247,20 @@ def test_bulk_copies_land_on_128_byte_lines(patched):
     assert "(const block_q8_1 *) (smem + a.stages * a.stage_bytes);" in pmv
     plaunch = c_body(source, "static bool mc_pmv_launch_as(")
     assert "const size_t          smem = mc_pmv_smem(st, nblocks, YS);" in plaunch
-    # every bulk copy (but the helper's definition) is made in one of those three kernels
+    # patch 0032's persistent verify product: mc_mmr_q4_0's stages from the aligned base, the same size
+    pmr = c_body(source, "static __global__ void mc_pmr_q4_0(")
+    assert "char * const                         smem = mc_smem_lines(mc_smem);" in pmr
+    assert re.search(r"\bmc_smem\s*\+", pmr) is None
+    assert "return mc_mmr_smem<NT, 3, true, MC_MMQ_WARPS>();" in c_body(
+        source, "static constexpr size_t mc_pmr_smem("
+    )
+    # every bulk copy (but the helper's definition) is made in one of those four kernels
     spans = []
     for head in (
         "static __global__ void mc_mmr_q4_0(",
         "static __global__ void mc_mmw_q4_0(",
         "static __global__ void mc_pmv_q4_0(",
+        "static __global__ void mc_pmr_q4_0(",
     ):
         start = source.index(head)
         spans.append((start, source.index("\n}\n", start)))
