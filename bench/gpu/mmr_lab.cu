@@ -222,9 +222,10 @@ static int lab_print_pmv_plans(char ** argv) {
     return 0;
 }
 
-// mmr_lab pmrplan SLOTS MODE: the persistent verify product's plan (MC_MMR_PERSIST=MODE, patch 0032) for
-// the verify step's groups on SLOTS resident CTAs, without a GPU: one JSON line a group, with the tiles
-// split between CTAs, the most parts of one and whether the group runs persistent (mc_pmr_worth)
+// mmr_lab pmrplan SLOTS MODE: the persistent verify product's plan (MC_MMR_PERSIST=MODE, patch 0032; tiles
+// of MC_MMR_PERSIST_ROWS rows) for the verify step's groups on SLOTS resident CTAs, without a GPU: one
+// JSON line a group, with the tiles split between CTAs, the most parts of one and whether the group
+// runs persistent (mc_pmr_worth)
 static int lab_print_pmr_plans(char ** argv) {
     int slots = 0, mode = -1;
     if (!lab_whole(argv[2], slots) || !lab_whole(argv[3], mode) || slots < 1 || mode < 1 || mode > 2) {
@@ -233,16 +234,17 @@ static int lab_print_pmr_plans(char ** argv) {
     }
     for (const lab_group & g : lab_plan(false)) {
         mc_mm_group       grp = lab_rows_group(g);
-        const mc_pmr_plan pl  = mc_pmr_plan_for(grp, g.k / 128, slots);
+        const mc_pmr_plan pl  = mc_pmr_plan_for(grp, g.k / 128, slots, mc_pmr_rows<2>());
         int               split = 0, most = 1;
         for (int t = 0; t < pl.ntiles; t++) {
             const int parts = ((t + 1) * pl.nch - 1) / pl.per - t * pl.nch / pl.per + 1;
             split += parts > 1;
             most = std::max(most, parts);
         }
-        printf("{\"kind\": \"pmrplan\", \"group\": \"%s\", \"tiles\": %d, \"chunks_a_tile\": %d, \"units_a_cta\": "
-               "%d, \"ctas\": %d, \"split_tiles\": %d, \"most_parts\": %d, \"persistent\": %s}\n", g.name, pl.ntiles,
-               pl.nch, pl.per, pl.ctas, split, most, mc_pmr_worth(pl, slots, mode) ? "true" : "false");
+        printf("{\"kind\": \"pmrplan\", \"group\": \"%s\", \"rows\": %d, \"tiles\": %d, \"chunks_a_tile\": %d, "
+               "\"units_a_cta\": %d, \"ctas\": %d, \"split_tiles\": %d, \"most_parts\": %d, \"persistent\": %s}\n",
+               g.name, mc_pmr_rows<2>(), pl.ntiles, pl.nch, pl.per, pl.ctas, split, most,
+               mc_pmr_worth(pl, slots, mode) ? "true" : "false");
     }
     return 0;
 }
@@ -398,14 +400,15 @@ int main(int argc, char ** argv) {
     // verify: MC_MMR_PERSIST=1 / 2 runs the library's persistent form (mc_pmr_q4_0) on the groups
     // mc_pmr_worth takes, as mc_mmr_launch does (its plan printed: the CTAs, the units a CTA, the tiles,
     // the chunks a tile, whether it runs persistent)
-    const int pmr_occupancy = !decode && bulk && !wgmma && mc_pmr_mode() != 0 ? mc_pmr_occupancy<2>() : 0;
+    const int pmr_rows      = mc_pmr_rows<2>();  // MC_MMR_PERSIST_ROWS
+    const int pmr_occupancy = !decode && bulk && !wgmma && mc_pmr_mode() != 0 ? mc_pmr_occupancy<2>(pmr_rows) : 0;
     if (pmr_occupancy > 0) {
         for (const lab_group & g : plan) {
             mc_mm_group       grp = lab_rows_group(g);
-            const mc_pmr_plan pl  = mc_pmr_plan_for(grp, g.k / 128, pmr_occupancy * nsm);
-            printf("{\"kind\": \"pmr\", \"group\": \"%s\", \"ctas\": %d, \"units_a_cta\": %d, \"tiles\": %d, "
-                   "\"chunks_a_tile\": %d, \"persistent\": %s}\n", g.name, pl.ctas, pl.per, pl.ntiles, pl.nch,
-                   mc_pmr_worth(pl, pmr_occupancy * nsm, mc_pmr_mode()) ? "true" : "false");
+            const mc_pmr_plan pl  = mc_pmr_plan_for(grp, g.k / 128, pmr_occupancy * nsm, pmr_rows);
+            printf("{\"kind\": \"pmr\", \"group\": \"%s\", \"rows\": %d, \"ctas\": %d, \"units_a_cta\": %d, "
+                   "\"tiles\": %d, \"chunks_a_tile\": %d, \"persistent\": %s}\n", g.name, pmr_rows, pl.ctas, pl.per,
+                   pl.ntiles, pl.nch, mc_pmr_worth(pl, pmr_occupancy * nsm, mc_pmr_mode()) ? "true" : "false");
             max_partials = std::max(max_partials, (size_t) 2 * pl.ctas * 16 * MC_MMQ_ROWS);
         }
     }
@@ -460,10 +463,10 @@ int main(int argc, char ** argv) {
         const int region = (int) (launches++ % MC_MMQ_COUNTER_REGIONS);
         if (pmr_occupancy > 0) {  // the persistent form where mc_pmr_worth takes the group: "k_slices" 300
             mc_mm_group       pgrp = grp;
-            const mc_pmr_plan pl   = mc_pmr_plan_for(pgrp, nquads, pmr_occupancy * nsm);
+            const mc_pmr_plan pl   = mc_pmr_plan_for(pgrp, nquads, pmr_occupancy * nsm, pmr_rows);
             if (mc_pmr_worth(pl, pmr_occupancy * nsm, mc_pmr_mode())) {
-                mc_pmr_start<2>(pgrp, pl, ys[gi], partials, region, nullptr, ncols, nquads, mc_kernel_flags(),
-                                nullptr);
+                mc_pmr_start<2>(pgrp, pl, pmr_rows, ys[gi], partials, region, nullptr, ncols, nquads,
+                                mc_kernel_flags(), nullptr);
                 return 300;
             }
         }

@@ -254,6 +254,22 @@ def test_the_persistent_verify_products_plan(compiled_lab):
         r["group"]: r for r in map(json.loads, pmr("264", "1", MC_MMR_PERSIST_SPLIT="0").stdout.splitlines())
     }
     assert (free["attn_in"]["units_a_cta"], free["attn_in"]["split_tiles"]) == (9, 224)
+    # 48-row tiles (MC_MMR_PERSIST_ROWS=48, 3 CTAs an SM: 396 slots): the FFN gate + up's 726 tiles two
+    # whole a CTA (20 chunks), ffn_down's 107 in up to 5 parts; a value other than 48 or 64 means 64
+    rows48 = {
+        r["group"]: r for r in map(json.loads, pmr("396", "2", MC_MMR_PERSIST_ROWS="48").stdout.splitlines())
+    }
+    assert {g: (r["rows"], r["tiles"], r["units_a_cta"], r["split_tiles"]) for g, r in rows48.items()} == {
+        "gdn_in": (48, 344, 10, 0),
+        "attn_in": (48, 300, 10, 0),
+        "out": (48, 107, 4, 107),
+        "ffn_gate_up": (48, 726, 20, 0),
+        "ffn_down": (48, 107, 10, 107),
+    }
+    assert {g for g, r in rows48.items() if r["persistent"]} == {"out", "ffn_gate_up", "ffn_down"}
+    odd = pmr("264", "1", MC_MMR_PERSIST_ROWS="50")
+    assert odd.returncode == 0 and {json.loads(x)["rows"] for x in odd.stdout.splitlines()} == {64}
+    assert "MC_MMR_PERSIST_ROWS=50 is not 48 or 64; using 64" in odd.stderr
     for bad in (["x", "1"], ["264", "0"], ["264", "3"], ["0", "1"]):
         res = pmr(*bad)
         assert res.returncode == 2 and "usage: mmr_lab pmrplan SLOTS MODE" in res.stderr, bad

@@ -123,12 +123,18 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
         ("1", "1", "1"),
     ], pmv
     assert all(int(r) <= (80 if y == "1" else 128) for *_, y, r in pmv), pmv
-    # the persistent verify product (patch 0032, MC_MMR_PERSIST): one and two tiles of 8 columns, 3
-    # stages, registers for 2 CTAs of 128 threads an SM (65,536 / 256 = 256)
-    name = r"Compiling entry function '_Z11mc_pmr_q4_0ILi(\d)ELi(\d)EE\w+'.*?Used (\d+) registers"
+    # the persistent verify product (patch 0032, MC_MMR_PERSIST): (columns / 8, stages, row tiles of 16,
+    # CTAs an SM): 64 rows with one and two tiles of 8 columns, 3 stages, registers for 2 CTAs of 128
+    # threads an SM (65,536 / 256 = 256); 48 rows (MC_MMR_PERSIST_ROWS) with two, 2 stages, 3 CTAs
+    # (170 on sm_90; sm_120 asks for 2, MC_MMR_MINB_CAP)
+    name = (
+        r"Compiling entry function '_Z11mc_pmr_q4_0ILi(\d)ELi(\d)ELi(\d)ELi(\d)EE\w+'.*?Used (\d+) registers"
+    )
     pmr = re.findall(name, report, re.S)
-    assert sorted((nt, st) for nt, st, _ in pmr) == [("1", "3"), ("2", "3")], pmr
-    assert all(int(r) <= 255 for *_, r in pmr), pmr
+    assert sorted(f[:4] for f in pmr) == [("1", "3", "4", "2"), ("2", "2", "3", "3"), ("2", "3", "4", "2")], (
+        pmr
+    )
+    assert all(int(r) <= (168 if minb == "3" and arch == "90" else 255) for *_, minb, r in pmr), pmr
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), spills
 
@@ -144,11 +150,23 @@ def test_the_persistent_verify_product_is_wired_and_falls_back(patched):
     is emulated in test_pmr_plan.py."""
     source = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
     assert 'mc_env_int("MC_MMR_PERSIST", 0, 2, 0)' in source
+    # the tile's rows: 64 or 48 (two column tiles only), anything else a warning and 64
+    rows = c_body(source, "static int mc_pmr_rows_setting(")
+    assert 'mc_env_int("MC_MMR_PERSIST_ROWS", 48, 64, 64)' in rows and "if (r != 48 && r != 64) {" in rows
+    assert "if constexpr (NT == 2) {\n        return mc_pmr_rows_setting();" in source
+    start = c_body(source, "static void mc_pmr_start(")
+    assert (
+        "if (rows == 48) {\n            mc_pmr_start_as<2, MC_MMR_NARROW_STAGES, 3, MC_MMR_NARROW_MINB>("
+        in start
+    )
+    assert "mc_pmr_start_as<NT, 3, 4, 2>(" in start
     launch = c_body(source, "template <int NT, int STAGES, bool BULK>\nstatic void mc_mmr_launch(")
     hook = launch.index("if constexpr (BULK && STAGES == 3) {")
     call = launch.index("mc_pmr_mode() != 0 && mc_pmr_launch<NT>(ctx, grp, y, x_bias, ncols, nquads, stream)")
     assert hook < call < launch.index("mc_mmr_occupancy<NT, STAGES, BULK, 4, 2>()")
     run = c_body(source, "static bool mc_pmr_launch(")
+    assert "const int           rows   = mc_pmr_rows<NT>();" in run
+    assert "mc_pmr_plan_for(grp, nquads, slots, rows);" in run and "mc_pmr_start<NT>(grp, pl, rows," in run
     assert "if (occ < 1) {\n        return false;" in run
     assert "if (pl.ntiles > MC_MMQ_COUNTERS_PER_REGION || !mc_pmr_worth(pl, slots, mc_pmr_mode())) {" in run
     assert "ws(ctx.pool(), (size_t) 2 * pl.ctas * 8 * NT * MC_MMQ_ROWS)" in run  # 2 slots a CTA
@@ -251,7 +269,7 @@ def test_bulk_copies_land_on_128_byte_lines(patched):
     pmr = c_body(source, "static __global__ void mc_pmr_q4_0(")
     assert "char * const                         smem = mc_smem_lines(mc_smem);" in pmr
     assert re.search(r"\bmc_smem\s*\+", pmr) is None
-    assert "return mc_mmr_smem<NT, 3, true, MC_MMQ_WARPS>();" in c_body(
+    assert "return mc_mmr_smem<NT, STAGES, true, MT>();" in c_body(
         source, "static constexpr size_t mc_pmr_smem("
     )
     # every bulk copy (but the helper's definition) is made in one of those four kernels

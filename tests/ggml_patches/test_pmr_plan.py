@@ -55,6 +55,7 @@ def test_the_source_has_the_emulated_expressions(source):
     assert "x[e] += v[u][e];  // CTA order" in finish
     plan = c_body(source, "static mc_pmr_plan mc_pmr_plan_for(")
     for expr in (
+        "p.ntiles             = mc_group_tiles(grp, rows);",
         "const int least      = (p.nunits + slots - 1) / slots;",
         "const int whole      = (p.ntiles + slots - 1) / slots * p.nch;",
         "const int cost = 10 * per + (per % p.nch != 0 ? 2 * split : 0);",
