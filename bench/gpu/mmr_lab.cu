@@ -217,7 +217,8 @@ static int lab_print_pmv_plans(char ** argv) {
         }
         printf("{\"kind\": \"pmvplan\", \"group\": \"%s\", \"rows_a_piece\": %d, \"pieces\": %d, "
                "\"busiest\": %d, \"persistent\": %s}\n", g.name, pl.rs, pl.npieces, (pl.npieces + ctas - 1) / ctas,
-               mc_pmv_worth(pl, ctas, mc_pmv_get_settings().min_pieces) ? "true" : "false");
+               mc_pmv_worth(pl, ctas, mc_pmv_get_settings().min_pieces, mc_pmv_get_settings().max_wpr) ? "true"
+                                                                                                        : "false");
     }
     return 0;
 }
@@ -391,7 +392,7 @@ int main(int argc, char ** argv) {
         for (const lab_group & g : plan) {
             const int         ctas = mc_pmv_ctas_for<false, true>(st, g.k / QK4_0);  // as the library's launch
             const mc_pmv_plan pl   = lab_pmv_plan_for(g, ctas, st.stage_bytes);
-            const bool on = pl.rs > 0 && mc_pmv_worth(pl, ctas, st.min_pieces);  // else mc_mmv_q4_0
+            const bool on = pl.rs > 0 && mc_pmv_worth(pl, ctas, st.min_pieces, st.max_wpr);  // else mc_mmv_q4_0
             printf("{\"kind\": \"pmv\", \"group\": \"%s\", \"ctas\": %d, \"stages\": %d, \"stage_bytes\": %d, "
                    "\"rows_a_piece\": %d, \"pieces\": %d, \"persistent\": %s, \"yshared\": %d}\n", g.name, ctas,
                    st.stages, st.stage_bytes, pl.rs, pl.npieces, on ? "true" : "false", st.yshared);

@@ -204,6 +204,13 @@ def test_the_persistent_decode_products_pieces(compiled_lab):
     for r in got.values():
         assert r["busiest"] == -(-r["pieces"] // 264) and r["busiest"] - r["pieces"] / 264 < 1
     assert {g for g, r in got.items() if r["persistent"]} == {"gdn_in", "attn_in", "ffn_gate_up"}
+    # the rules relaxed (MC_MMV_PERSIST_MAX_WPR=4: ffn_down's rows on four warps; MIN_PIECES=0: the out
+    # projection's 4.8 pieces a CTA), as the graph's variants measure them
+    env = {**os.environ, "MC_MMV_PERSIST_MAX_WPR": "4", "MC_MMV_PERSIST_MIN_PIECES": "0"}
+    every = subprocess.run(
+        [str(exe), "pmvplan", "264", "24"], capture_output=True, text=True, check=False, env=env
+    )
+    assert all(json.loads(x)["persistent"] for x in every.stdout.splitlines()), every.stdout
     small = pmv("264", "8")
     assert small.returncode == 2 and "no piece shape fits K = 17408" in small.stderr
     for bad in (["x", "24"], ["264", "3"], ["0", "24"], ["264", "65"]):

@@ -382,7 +382,7 @@ def test_the_persistent_one_column_kernel_is_wired_and_falls_back(patched):
         "row_bytes % 16 != 0",
         "(uintptr_t) y % 8 != 0",
         "(uintptr_t) grp.vx[i] % 16 != 0",
-        "if (plan.rs == 0 || !mc_pmv_worth(plan, ctas, st.min_pieces)) {",
+        "if (plan.rs == 0 || !mc_pmv_worth(plan, ctas, st.min_pieces, st.max_wpr)) {",
         "if (ctas < 1) {",
         # the activations in shared memory: one bulk copy, so 16-byte aligned
         "return (uintptr_t) y % 16 == 0 &&",
@@ -390,9 +390,11 @@ def test_the_persistent_one_column_kernel_is_wired_and_falls_back(patched):
         assert rule in run, rule
     assert 'mc_env_int("MC_MMV_PERSIST_YSMEM", 0, 1, 0)' in source
     assert 'mc_env_int("MC_MMV_PERSIST_CTAS", 1, 3, 2)' in source
-    # where it runs: a row on at most two warps, at least MC_MMV_PERSIST_MIN_PIECES (6) pieces a CTA
+    # where it runs: a row on at most MC_MMV_PERSIST_MAX_WPR (2) warps, at least MC_MMV_PERSIST_MIN_PIECES
+    # (6) pieces a CTA
     worth = c_body(source, "static bool mc_pmv_worth(")
-    assert "MC_PMV_WARPS / plan.rs <= 2 && plan.npieces >= (int64_t) min_pieces * ctas" in worth
+    assert "MC_PMV_WARPS / plan.rs <= max_wpr && plan.npieces >= (int64_t) min_pieces * ctas" in worth
+    assert 'mc_env_int("MC_MMV_PERSIST_MAX_WPR", 1, MC_PMV_WARPS, 2)' in source
     assert 'mc_env_int("MC_MMV_PERSIST_MIN_PIECES", 0, 64, 6)' in source
     assert 'mc_env_int("MC_MMV_PERSIST_STAGES", 2, MC_PMV_MAX_STAGES, 3)' in source
     # the dynamic shared memory allowed: the block's limit less the kernel's static part (the limit
