@@ -221,3 +221,47 @@ def test_the_sums_meet_without_bank_conflicts(source):
                 for i in range(4):
                     assert len(banks(pitch, warp, m, n, i)) == 32
     assert len(banks(64, 0, 0, 0, 0)) == 8  # the plain pitch: 4-way conflicts
+
+
+@pytest.mark.parametrize(
+    "mt,nt,ncols,nr", [(4, 2, 16, 64), (4, 2, 9, 48), (3, 2, 16, 48), (3, 2, 12, 32), (4, 1, 5, 64)]
+)
+def test_a_tiles_sums_reach_their_outputs(source, mt, nt, ncols, nr):
+    """mc_pmr_reduce and mc_pmr_finish's addressing, emulated: each warp's C fragments (lane 4 g + t,
+    element i of row tile m, column tile n: row m 16 + g (+ 8), column n 8 + 2 t (+ 1)) stored at the
+    source's pitch, the 4 warps' sums read per (column, row) for r < nr, col < ncols; a whole tile goes
+    to dst[col * stride + r], a split one to its slot at col * 64 + r, from which the finisher's index
+    (col * MC_MMQ_ROWS + (i - col * nr) for output i = col * nr + r) reads it back. Every output must be
+    the sum of the 4 warps' values for its (row, column), and nothing else written."""
+    reduce = c_body(source, "static __device__ __forceinline__ void mc_pmr_reduce(")
+    assert "const int r   = m * 16 + g + (i >= 2 ? 8 : 0);" in reduce
+    assert "const int col = n * 8 + 2 * t + (i & 1);" in reduce
+    assert "for (int i = threadIdx.x; i < ncols * nr; i += MC_MMQ_THREADS) {" in reduce
+    assert "const int col = i / nr;\n        const int r   = i - col * nr;" in reduce
+    assert "out[(int64_t) col * stride + r] = v + (bias ? bias[r] : 0.0f);" in reduce
+    finish = c_body(source, "static __device__ __forceinline__ void mc_pmr_finish(")
+    assert "at[e]         = i < ncols * nr ? col * MC_MMQ_ROWS + (i - col * nr) : -1;" in finish
+    pitch = int(re.search(r"#define MC_PMR_PITCH \(MC_MMQ_ROWS \+ (\d+)\)", source).group(1)) + 64
+    rng = random.Random(mt * 100 + nt * 10 + ncols)
+    acc = {(w, lane, m, n, i): rng.uniform(-1, 1) for w in range(4) for lane in range(32) for m in range(mt)
+           for n in range(nt) for i in range(4)}  # fmt: skip
+    want: dict[tuple[int, int], float] = {}
+    red: dict[int, float] = {}
+    for (w, lane, m, n, i), v in acc.items():
+        g, t = lane // 4, lane % 4
+        r, col = m * 16 + g + (8 if i >= 2 else 0), n * 8 + 2 * t + (i & 1)
+        at = (w * 8 * nt + col) * pitch + r
+        assert at not in red  # no two stores to one word
+        red[at] = v
+        want[(r, col)] = want.get((r, col), 0.0) + v
+    assert max(red) < 4 * 8 * nt * pitch  # within the space the static_assert reserves
+    for stride, split in ((5120, False), (64, True)):
+        out: dict[int, float] = {}
+        for i in range(ncols * nr):
+            col, r = divmod(i, nr)
+            out[col * stride + r] = sum(red[(w * 8 * nt + col) * pitch + r] for w in range(4))
+        assert len(out) == ncols * nr
+        for i in range(ncols * nr):
+            col = i // nr
+            at = col * 64 + (i - col * nr) if split else col * stride + (i - col * nr)
+            assert out[at] == pytest.approx(want[(i - col * nr, col)])
