@@ -27,6 +27,12 @@ def source(patched) -> str:
     return (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
 
 
+@pytest.fixture(scope="module")
+def pitch(source) -> int:
+    """MC_PMR_PITCH: the floats a column of the warps' sums takes in mc_pmr_reduce's stage."""
+    return int(re.search(r"#define MC_PMR_PITCH \(MC_MMQ_ROWS \+ (\d+)\)", source).group(1)) + 64
+
+
 def test_the_source_has_the_emulated_expressions(source):
     kernel = c_body(source, "static __global__ void mc_pmr_q4_0(")
     for expr in (
@@ -200,11 +206,10 @@ def test_a_wrong_slot_rule_is_caught():
         emulate(*GROUPS["ffn_down"], per, ctas, random.Random(1), slot_rule=lambda p, t, per, nch: 0)
 
 
-def test_the_sums_meet_without_bank_conflicts(source):
+def test_the_sums_meet_without_bank_conflicts(pitch):
     """mc_pmr_reduce's stores: for each (row tile m, column tile n, fragment element i) a warp's 32
     lanes (g = lane / 4, t = lane % 4) store row m 16 + g (+ 8) of column n 8 + 2 t (+ 1) at column *
     MC_PMR_PITCH + row: with a pitch of 68 words the 32 lanes hit 32 banks (with 64, 4 lanes a bank)."""
-    pitch = int(re.search(r"#define MC_PMR_PITCH \(MC_MMQ_ROWS \+ (\d+)\)", source).group(1)) + 64
 
     def banks(pitch: int, warp: int, m: int, n: int, i: int) -> set[int]:
         out = set()
@@ -226,7 +231,7 @@ def test_the_sums_meet_without_bank_conflicts(source):
 @pytest.mark.parametrize(
     "mt,nt,ncols,nr", [(4, 2, 16, 64), (4, 2, 9, 48), (3, 2, 16, 48), (3, 2, 12, 32), (4, 1, 5, 64)]
 )
-def test_a_tiles_sums_reach_their_outputs(source, mt, nt, ncols, nr):
+def test_a_tiles_sums_reach_their_outputs(source, pitch, mt, nt, ncols, nr):
     """mc_pmr_reduce and mc_pmr_finish's addressing, emulated: each warp's C fragments (lane 4 g + t,
     element i of row tile m, column tile n: row m 16 + g (+ 8), column n 8 + 2 t (+ 1)) stored at the
     source's pitch, the 4 warps' sums read per (column, row) for r < nr, col < ncols; a whole tile goes
@@ -241,7 +246,6 @@ def test_a_tiles_sums_reach_their_outputs(source, mt, nt, ncols, nr):
     assert "out[(int64_t) col * stride + r] = v + (bias ? bias[r] : 0.0f);" in reduce
     finish = c_body(source, "static __device__ __forceinline__ void mc_pmr_finish(")
     assert "at[e]         = i < ncols * nr ? col * MC_MMQ_ROWS + (i - col * nr) : -1;" in finish
-    pitch = int(re.search(r"#define MC_PMR_PITCH \(MC_MMQ_ROWS \+ (\d+)\)", source).group(1)) + 64
     rng = random.Random(mt * 100 + nt * 10 + ncols)
     acc = {(w, lane, m, n, i): rng.uniform(-1, 1) for w in range(4) for lane in range(32) for m in range(mt)
            for n in range(nt) for i in range(4)}  # fmt: skip
