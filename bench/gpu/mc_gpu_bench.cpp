@@ -4,6 +4,8 @@
 //
 //   mc_gpu_bench tg      MODEL DEPTHS N          single-stream decode at each depth (tokens before)
 //   mc_gpu_bench verify  MODEL DEPTH SEQS SIZES  one decode of SEQS sequences x k tokens, all logits
+//                                                (MC_BENCH_LOGITS=last: each sequence's last token's
+//                                                only, to see what the other rows' logits cost)
 //   mc_gpu_bench profile MODEL DEPTH STEPS [K] [SEQS]  STEPS decodes of K tokens (default 1; K > 1:
 //                                                all logits, a verify step) for each of SEQS sequences
 //                                                (default 1) inside a profiler range
@@ -200,14 +202,20 @@ int cmd_verify(int argc, char ** argv) {
     const int  maxn  = *std::max_element(sizes.begin(), sizes.end());
     const int  iters = 20;
     const int  warm  = 3;
+    const char * which = getenv("MC_BENCH_LOGITS");  // all (default) or last
+    if (which && strcmp(which, "all") != 0 && strcmp(which, "last") != 0) {
+        fprintf(stderr, "MC_BENCH_LOGITS=%s: expected all or last\n", which);
+        return 2;
+    }
+    const bool all = !(which && strcmp(which, "last") == 0);
     // every size starts again from the prefilled depth, so the context holds depth + one size's steps
     Bench b(argv[2], (depth + (warm + iters) * maxn + 64) * seqs, seqs, seqs * maxn);
     for (int k : sizes) {
         b.prefill(depth, seqs);
         int          pos = depth;
-        const double ms  = b.time_steps(seqs, k, pos, true, warm, iters);
-        printf("{\"kind\": \"verify\", \"depth\": %d, \"seqs\": %d, \"k\": %d, \"median_ms\": %.4f}\n", depth, seqs, k,
-               ms);
+        const double ms  = b.time_steps(seqs, k, pos, all, warm, iters);
+        printf("{\"kind\": \"verify\", \"depth\": %d, \"seqs\": %d, \"k\": %d, \"logits\": \"%s\", \"median_ms\": %.4f}\n",
+               depth, seqs, k, all ? "all" : "last", ms);
         fflush(stdout);
     }
     return 0;

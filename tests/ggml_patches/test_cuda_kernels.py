@@ -534,7 +534,9 @@ def test_the_patched_ggml_cuda_compiles(patched, tmp_path):
     """ggml-cuda.cu with the series' hunks (the mc-mmv dispatch before mul_mat_q, the grouping's
     reorder and launch, the next-weights hints, the small fusions) compiles for sm_90, ~20 s here;
     mmvq.cu's six-line hook is left to the GPU build (90 s here)."""
-    out = compile_cuda(patched, "ggml-cuda.cu", "90", tmp_path)
+    out = compile_cuda(
+        patched, "ggml-cuda.cu", "90", tmp_path, "-DGGML_CUDA_USE_GRAPHS"
+    )  # as CMake's default
     assert out.returncode == 0, out.stderr[-3000:]
     main = (patched / "ggml" / "src" / "ggml-cuda" / "ggml-cuda.cu").read_text()
     # MC_MMV_L2_NEXT_MB: the plan before the node loop, the candidates named before each node's compute
