@@ -12,14 +12,11 @@ the side-by-side build, so a kernel change is timed in one short call. Writes JS
        decode's dp4a kernel (mc_mmv_q4_0, the FFN's gate and up fused); under each --setting
        (environment variables the kernels read, e.g. MC_MMR_FORM=1; MC_MMR_FORM=4, patch 0025's
        warpgroup kernel, with --arch 90a), rounds in alternating order; each setting's output
-       checksums against the first setting's. With 9..16 columns MC_MMR_PERSIST=1 (every group) or 2
-       (where the 64-row grid leaves SMs idle) runs the library's persistent stream-K form of the
-       product (patch 0032; MC_MMR_PERSIST_SPLIT: a split's cost in tenths of a chunk;
-       MC_MMR_PERSIST_ROWS=48: 48-row tiles, 3 CTAs an SM; its groups' k_slices read 300). With
-       --columns 1 the library's persistent decode kernel runs by default (patch 0031: each CTA
-       streams whole rows through a ring of bulk-copy stages; MC_MMV_PERSIST=0: mc_mmv_q4_0
-       throughout; MC_MMV_PERSIST_STAGES / _CTAS / _STAGE_KB / _MIN_PIECES / _YSMEM; the groups it
-       declines on the dp4a kernel), MC_LAB_PMV_COPIES=1 its copies alone (a bound).
+       checksums against the first setting's. With --columns 1 the library's persistent decode
+       kernel runs by default (patch 0031: each CTA streams whole rows through a ring of bulk-copy
+       stages; MC_MMV_PERSIST=0: mc_mmv_q4_0 throughout; MC_MMV_PERSIST_STAGES / _CTAS / _STAGE_KB /
+       _MIN_PIECES / _YSMEM; the groups it declines on the dp4a kernel), MC_LAB_PMV_COPIES=1 its
+       copies alone (a bound).
   wg: bench/gpu/wg_lab.cu, a standalone prototype (not in the patch series) of the 16-column product on
        sm_90a's asynchronous warpgroup MMAs, on the same product groups, checked against a host
        reference (which of the descriptor's two stride fields is which, tried both ways), for --wg 1

@@ -122,6 +122,14 @@ bool ggml_is_contiguous(const struct ggml_tensor *) {
     lab_unreachable("ggml_is_contiguous");
 }
 
+bool ggml_are_same_shape(const struct ggml_tensor *, const struct ggml_tensor *) {
+    lab_unreachable("ggml_are_same_shape");
+}
+
+enum ggml_glu_op ggml_get_glu_op(const struct ggml_tensor *) {
+    lab_unreachable("ggml_get_glu_op");
+}
+
 size_t ggml_type_size(enum ggml_type) {
     lab_unreachable("ggml_type_size");
 }

@@ -15,16 +15,12 @@
 // program says so and exits 2). The bulk form's launches choose the narrower forms as mc_mmr_launch does
 // (mc_mmr_rows_form; MC_MMR_ROWS32=0: never); their groups' k_slices read 200 (48-row tiles) or 100
 // (32-row) + the slices.
-// COLUMNS 9..16 with MC_MMR_PERSIST=1 (every group) or 2 (mc_pmr_worth's): the library's persistent
-// form of the verify step's product (mc_pmr_q4_0, stream-K over 64-row tiles; those groups' "k_slices"
-// read 300). mmr_lab pmrplan SLOTS MODE (no GPU): its plan for SLOTS resident CTAs.
 // COLUMNS 1: the library's persistent decode kernel (patch 0031, mc_pmv_q4_0; on by default, MC_MMV_PERSIST=0:
 // mc_mmv_q4_0 throughout) through the same launcher; MC_LAB_PMV_COPIES=1: that kernel's copies and waits alone where it runs (outputs 0:
 // a bound; the groups it declines, mc_pmv_worth, on mc_mmv_q4_0 as in a step).
 // Usage: mmr_lab REPEATS COLUMNS (COLUMNS 1 or 9..16); mmr_lab plan NSM OCC64 OCC48 OCC32 (no GPU: the
 // verify step's launch plans for that GPU's SMs and each row-tile form's blocks an SM); mmr_lab pmvplan
-// CTAS STAGE_KB (no GPU: the persistent kernel's pieces); mmr_lab pmrplan SLOTS MODE (no GPU: the
-// persistent verify product's plan)
+// CTAS STAGE_KB (no GPU: the persistent kernel's pieces)
 #include "mc-mmv.cu"
 #define LAB_GGML_STUBS
 #include "lab_common.cuh"
@@ -223,42 +219,12 @@ static int lab_print_pmv_plans(char ** argv) {
     return 0;
 }
 
-// mmr_lab pmrplan SLOTS MODE: the persistent verify product's plan (MC_MMR_PERSIST=MODE, patch 0032; tiles
-// of MC_MMR_PERSIST_ROWS rows) for the verify step's groups on SLOTS resident CTAs, without a GPU: one
-// JSON line a group, with the tiles split between CTAs, the most parts of one and whether the group
-// runs persistent (mc_pmr_worth)
-static int lab_print_pmr_plans(char ** argv) {
-    int slots = 0, mode = -1;
-    if (!lab_whole(argv[2], slots) || !lab_whole(argv[3], mode) || slots < 1 || mode < 1 || mode > 2) {
-        fprintf(stderr, "usage: mmr_lab pmrplan SLOTS MODE (SLOTS >= 1; MODE 1 or 2)\n");
-        return 2;
-    }
-    for (const lab_group & g : lab_plan(false)) {
-        mc_mm_group       grp = lab_rows_group(g);
-        const mc_pmr_plan pl  = mc_pmr_plan_for(grp, g.k / 128, slots, mc_pmr_rows<2>());
-        int               split = 0, most = 1;
-        for (int t = 0; t < pl.ntiles; t++) {
-            const int parts = ((t + 1) * pl.nch - 1) / pl.per - t * pl.nch / pl.per + 1;
-            split += parts > 1;
-            most = std::max(most, parts);
-        }
-        printf("{\"kind\": \"pmrplan\", \"group\": \"%s\", \"rows\": %d, \"tiles\": %d, \"chunks_a_tile\": %d, "
-               "\"units_a_cta\": %d, \"ctas\": %d, \"split_tiles\": %d, \"most_parts\": %d, \"persistent\": %s}\n",
-               g.name, mc_pmr_rows<2>(), pl.ntiles, pl.nch, pl.per, pl.ctas, split, most,
-               mc_pmr_worth(pl, slots, mode) ? "true" : "false");
-    }
-    return 0;
-}
-
 int main(int argc, char ** argv) {
     if (argc == 6 && std::string(argv[1]) == "plan") {
         return lab_print_plans(argv);
     }
     if (argc == 4 && std::string(argv[1]) == "pmvplan") {
         return lab_print_pmv_plans(argv);
-    }
-    if (argc == 4 && std::string(argv[1]) == "pmrplan") {
-        return lab_print_pmr_plans(argv);
     }
     const int repeats = argc == 3 ? atoi(argv[1]) : 0;
     const int ncols   = argc == 3 ? atoi(argv[2]) : 0;
@@ -398,21 +364,6 @@ int main(int argc, char ** argv) {
                    st.stages, st.stage_bytes, pl.rs, pl.npieces, on ? "true" : "false", st.yshared);
         }
     }
-    // verify: MC_MMR_PERSIST=1 / 2 runs the library's persistent form (mc_pmr_q4_0) on the groups
-    // mc_pmr_worth takes, as mc_mmr_launch does (its plan printed: the CTAs, the units a CTA, the tiles,
-    // the chunks a tile, whether it runs persistent)
-    const int pmr_rows      = mc_pmr_rows<2>();  // MC_MMR_PERSIST_ROWS
-    const int pmr_occupancy = !decode && bulk && !wgmma && mc_pmr_mode() != 0 ? mc_pmr_occupancy<2>(pmr_rows) : 0;
-    if (pmr_occupancy > 0) {
-        for (const lab_group & g : plan) {
-            mc_mm_group       grp = lab_rows_group(g);
-            const mc_pmr_plan pl  = mc_pmr_plan_for(grp, g.k / 128, pmr_occupancy * nsm, pmr_rows);
-            printf("{\"kind\": \"pmr\", \"group\": \"%s\", \"rows\": %d, \"ctas\": %d, \"units_a_cta\": %d, "
-                   "\"tiles\": %d, \"chunks_a_tile\": %d, \"persistent\": %s}\n", g.name, pmr_rows, pl.ctas, pl.per,
-                   pl.ntiles, pl.nch, mc_pmr_worth(pl, pmr_occupancy * nsm, mc_pmr_mode()) ? "true" : "false");
-            max_partials = std::max(max_partials, (size_t) 2 * pl.ctas * 16 * MC_MMQ_ROWS);
-        }
-    }
     float * partials;
     LAB_CHECK(cudaMalloc(&partials, sizeof(float) * max_partials));
     LAB_CHECK(cudaFree(scratch));
@@ -462,15 +413,6 @@ int main(int argc, char ** argv) {
             return gy;
         }
         const int region = (int) (launches++ % MC_MMQ_COUNTER_REGIONS);
-        if (pmr_occupancy > 0) {  // the persistent form where mc_pmr_worth takes the group: "k_slices" 300
-            mc_mm_group       pgrp = grp;
-            const mc_pmr_plan pl   = mc_pmr_plan_for(pgrp, nquads, pmr_occupancy * nsm, pmr_rows);
-            if (mc_pmr_worth(pl, pmr_occupancy * nsm, mc_pmr_mode())) {
-                mc_pmr_start<2>(pgrp, pl, pmr_rows, ys[gi], partials, region, nullptr, ncols, nquads,
-                                mc_kernel_flags(), nullptr);
-                return 300;
-            }
-        }
         int       nt     = ntiles;
         const int mt = bulk && !wgmma ? mc_mmr_rows_form(grp, nquads, occupancy, occupancy48, occupancy32, nsm) : 4;
         if (mt != 4) {

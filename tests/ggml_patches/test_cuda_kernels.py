@@ -123,67 +123,8 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
         ("1", "1", "1"),
     ], pmv
     assert all(int(r) <= (80 if y == "1" else 128) for *_, y, r in pmv), pmv
-    # the persistent verify product (patch 0032, MC_MMR_PERSIST): (columns / 8, stages, row tiles of 16,
-    # CTAs an SM): 64 rows with one and two tiles of 8 columns, 3 stages, registers for 2 CTAs of 128
-    # threads an SM (65,536 / 256 = 256); 48 rows (MC_MMR_PERSIST_ROWS) with two, 2 stages, 3 CTAs
-    # (170 on sm_90; sm_120 asks for 2, MC_MMR_MINB_CAP)
-    name = (
-        r"Compiling entry function '_Z11mc_pmr_q4_0ILi(\d)ELi(\d)ELi(\d)ELi(\d)EE\w+'.*?Used (\d+) registers"
-    )
-    pmr = re.findall(name, report, re.S)
-    assert sorted(f[:4] for f in pmr) == [("1", "3", "4", "2"), ("2", "2", "3", "3"), ("2", "3", "4", "2")], (
-        pmr
-    )
-    assert all(int(r) <= (168 if minb == "3" and arch == "90" else 255) for *_, minb, r in pmr), pmr
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), spills
-
-
-def test_the_persistent_verify_product_is_wired_and_falls_back(patched):
-    """Patch 0032 (MC_MMR_PERSIST, off by default until measured; 1: every group, 2: only where the
-    64-row grid leaves slots idle): the copies' 2..16-column products (bulk copies, 3 stages) go to the
-    persistent stream-K kernel unless no CTA fits or a group has more tiles than a counter region
-    holds, else to mc_mmr_q4_0 as before. In the kernel the first stages' weights are requested before
-    the PDL wait and the activations after it; the warps' sums meet in the stage just read, between
-    block barriers, with a proxy fence before the bulk copies may refill it; a split tile's last CTA
-    (a release-acquire counter) adds the parts and resets the counter. The CTA-run arithmetic itself
-    is emulated in test_pmr_plan.py."""
-    source = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
-    assert 'mc_env_int("MC_MMR_PERSIST", 0, 2, 0)' in source
-    # the tile's rows: 64 or 48 (two column tiles only), anything else a warning and 64
-    rows = c_body(source, "static int mc_pmr_rows_setting(")
-    assert 'mc_env_int("MC_MMR_PERSIST_ROWS", 48, 64, 64)' in rows and "if (r != 48 && r != 64) {" in rows
-    assert "if constexpr (NT == 2) {\n        return mc_pmr_rows_setting();" in source
-    start = c_body(source, "static void mc_pmr_start(")
-    assert (
-        "if (rows == 48) {\n            mc_pmr_start_as<2, MC_MMR_NARROW_STAGES, 3, MC_MMR_NARROW_MINB>("
-        in start
-    )
-    assert "mc_pmr_start_as<NT, 3, 4, 2>(" in start
-    launch = c_body(source, "template <int NT, int STAGES, bool BULK>\nstatic void mc_mmr_launch(")
-    hook = launch.index("if constexpr (BULK && STAGES == 3) {")
-    call = launch.index("mc_pmr_mode() != 0 && mc_pmr_launch<NT>(ctx, grp, y, x_bias, ncols, nquads, stream)")
-    assert hook < call < launch.index("mc_mmr_occupancy<NT, STAGES, BULK, 4, 2>()")
-    run = c_body(source, "static bool mc_pmr_launch(")
-    assert "const int           rows   = mc_pmr_rows<NT>();" in run
-    assert "mc_pmr_plan_for(grp, nquads, slots, rows);" in run and "mc_pmr_start<NT>(grp, pl, rows," in run
-    assert "if (occ < 1) {\n        return false;" in run
-    assert "if (pl.ntiles > MC_MMQ_COUNTERS_PER_REGION || !mc_pmr_worth(pl, slots, mc_pmr_mode())) {" in run
-    assert "ws(ctx.pool(), (size_t) 2 * pl.ctas * 8 * NT * MC_MMQ_ROWS)" in run  # 2 slots a CTA
-    worth = c_body(source, "static bool mc_pmr_worth(")
-    assert "return mode == 1 || (mode == 2 && (pl.ntiles > slots || 2 * pl.ntiles <= slots));" in worth
-    kernel = c_body(source, "static __global__ void mc_pmr_q4_0(")
-    pdl = kernel.index("ggml_cuda_pdl_sync();")
-    assert kernel.index("issue_w(ic, s);") < pdl < kernel.index("issue_y(c, s);")
-    assert "float *       red    = (float *) (smem + s * STAGE);" in kernel  # the stage just read
-    assert "is_last = mc_atom_add_acq_rel(counter, 1u) == (unsigned int) nparts - 1;" in kernel
-    assert "*counter = 0;" in kernel
-    reduce = c_body(source, "static __device__ __forceinline__ void mc_pmr_reduce(")
-    first_store = reduce.index("red[(warp * 8 * NT + col) * MC_PMR_PITCH + r] = acc[m][n][i];")
-    assert reduce.index("__syncthreads();") < first_store  # the other warps' last reads of the stage
-    fence = reduce.index('asm volatile("fence.proxy.async.shared::cta;" ::: "memory");')
-    assert reduce.index("v += red[") < fence < reduce.rindex("__syncthreads();")
-    assert "static_assert(MC_MMQ_WARPS * 8 * NT * MC_PMR_PITCH * sizeof(float) <= (size_t) STAGE," in kernel
 
 
 def test_the_warpgroup_form_compiles_for_sm_90a_and_is_wired(patched, tmp_path):
@@ -265,20 +206,12 @@ def test_bulk_copies_land_on_128_byte_lines(patched):
     assert "(const block_q8_1 *) (smem + a.stages * a.stage_bytes);" in pmv
     plaunch = c_body(source, "static bool mc_pmv_launch_as(")
     assert "const size_t          smem = mc_pmv_smem(st, nblocks, YS);" in plaunch
-    # patch 0032's persistent verify product: mc_mmr_q4_0's stages from the aligned base, the same size
-    pmr = c_body(source, "static __global__ void mc_pmr_q4_0(")
-    assert "char * const                         smem = mc_smem_lines(mc_smem);" in pmr
-    assert re.search(r"\bmc_smem\s*\+", pmr) is None
-    assert "return mc_mmr_smem<NT, STAGES, true, MT>();" in c_body(
-        source, "static constexpr size_t mc_pmr_smem("
-    )
-    # every bulk copy (but the helper's definition) is made in one of those four kernels
+    # every bulk copy (but the helper's definition) is made in one of those three kernels
     spans = []
     for head in (
         "static __global__ void mc_mmr_q4_0(",
         "static __global__ void mc_mmw_q4_0(",
         "static __global__ void mc_pmv_q4_0(",
-        "static __global__ void mc_pmr_q4_0(",
     ):
         start = source.index(head)
         spans.append((start, source.index("\n}\n", start)))
@@ -605,3 +538,58 @@ def test_the_dispatch_reaches_the_kernel(patched):
     assert "new test_mul_mat(GGML_TYPE_Q6_K, GGML_TYPE_F32, m, 1, k" in tests
     assert "new test_mul_mat(GGML_TYPE_Q6_K, GGML_TYPE_F32, 1024, n, 5120" in tests  # n = 2..17
     assert tests.count("new test_mc_mul_mat_group(") >= 4  # grouped products, compared on every column count
+
+
+def test_the_q6k_carveout_setting_is_read_once_and_set_before_the_occupancy_check(patched):
+    """Patch 0033 (MC_MMQ_Q6K_CARVEOUT, unset by default: the driver's split): the 2..16-column Q6_K
+    product asks for that share of shared memory, once a device and kernel, before the launcher's check
+    for at least 2 blocks an SM (a carveout too small for 2 spans falls back to stock)."""
+    source = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
+    launch = c_body(source, "static bool mc_mmq_q6_K_launch(")
+    assert 'mc_env_int("MC_MMQ_Q6K_CARVEOUT", -1, 100, -1)' in launch
+    attr = launch.index("cudaFuncAttributePreferredSharedMemoryCarveout, carveout")
+    check = launch.index("if (mc_blocks_per_sm((const void *) kernel")
+    assert launch.index("if (carveout >= 0) {") < attr < check
+    assert "carveout_set[device] = true;" in launch
+
+
+def test_the_glu_runs_in_the_next_products_conversion_only_where_nothing_else_reads_it(patched):
+    """Patch 0034 (MC_FUSE_GLU_MMR, off by default until measured): a SwiGLU whose one use is the next
+    node's product on a repacked copy (9..16 columns) is computed by that product's f16 conversion
+    (silu(x) * up, as unary.cu computes it, from the same 8 elements a thread converts), and the GLU's
+    launch is skipped; the hook runs before the stock fusions, outside concurrent regions, and the
+    product declines before launching anything where it cannot (no fresh copy, the warpgroup form)."""
+    cuda = (patched / "ggml/src/ggml-cuda").resolve()
+    source = (cuda / "mc-mmv.cu").read_text()
+    assert 'mc_env_int("MC_FUSE_GLU_MMR", 0, 1, 0) == 1' in source
+    entry = c_body(source, "int ggml_cuda_mc_glu_mmr(")
+    for rule in [
+        "ggml_get_glu_op(glu) != GGML_GLU_OP_SWIGLU",
+        "mm->src[1] != glu",
+        "!ggml_node_has_n_uses(cgraph, i, 1)",
+        "u == nullptr",
+        "!ggml_are_same_shape(a, glu) || !ggml_are_same_shape(u, glu)",
+        "ncols < mc_mmr_min_cols() || ncols > 16",
+        "!mc_mmv_supported(ctx, mm->src[0], glu, mm, MC_MMQ_MIN_ROWS)",
+        "return mc_mmr_run(ctx, grp, glu, nullptr, ctx.stream(), &in) ? 1 : 0;",
+    ]:
+        assert rule in entry, rule
+    run = c_body(source, "static bool mc_mmr_run(")
+    decline = run.index("if (ncols > 16 || (glu && mc_mmw_on(ctx.device)) || !mc_mmr_take(grp, k)) {")
+    assert decline < run.index("ggml_cuda_kernel_launch(")
+    assert run.index("if (glu) {") < run.index("ggml_cuda_kernel_launch(mc_mmr_convert_y_glu,")
+    conv = c_body(source, "static __device__ __forceinline__ void mc_mmr_convert_y_at(")
+    x_elems = "{ xb[0], xb[2], xb[1], xb[3], xb[16], xb[18], xb[17], xb[19] }"
+    u_elems = "{ ub[0], ub[2], ub[1], ub[3], ub[16], ub[18], ub[17], ub[19] }"
+    assert x_elems in conv and u_elems in conv
+    assert "f[j] = ggml_cuda_op_silu_single(f[j]) * u[j];" in conv
+    unary = (cuda / "unary.cu").read_text()  # the GLU's own kernel: the same silu
+    op_silu = c_body(unary, "static __device__ __forceinline__ float op_silu(")
+    assert "return ggml_cuda_op_silu_single(x);" in op_silu
+    main = (cuda / "ggml-cuda.cu").read_text()
+    hook = main.index("const int mc_glu = ggml_cuda_mc_glu_mmr(*cuda_ctx, cgraph, i);")
+    assert main.rindex("if (!is_concurrent_event_active) {  // MegaCapybara: MC_FUSE_GLU_MMR", 0, hook) < hook
+    assert hook < main.index("int nodes_to_skip = ggml_cuda_try_fuse(cuda_ctx, cgraph, i);", hook)
+    ops = (patched / "tests" / "test-backend-ops.cpp").read_text()
+    assert 'return "MC_GLU_MUL_MAT";' in ops
+    assert "new test_mc_glu_mul_mat(GGML_TYPE_Q4_0, 5120, n, 17408)" in ops

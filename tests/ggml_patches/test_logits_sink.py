@@ -1,4 +1,4 @@
-"""Patch 0033 (MC_LOGITS_SINK): llama.cpp hands the logits' host copy to the backend that computes them
+"""Patch 0032 (MC_LOGITS_SINK): llama.cpp hands the logits' host copy to the backend that computes them
 before the graph runs (a CUDA backend copies them in slices during the output product). Here, on the CPU
 build, the hand-over is offered and declined (the CPU registry has no such entry), so every step's
 logits must still arrive exactly as without it; its settings are read with a clear warning. The CUDA
@@ -145,17 +145,37 @@ def test_the_slices_are_launched_and_joined_as_emulated(patched):
         "for (int64_t t0 = 0; t0 < tiles; t0 += per, ++slice) {",
         "const int64_t r0 = t0 * MC_Q6KM_ROWS;",
         "const int64_t rn = std::min(per * MC_Q6KM_ROWS, nrows - r0);",
-        "(float *) sk.host + r0, nrows * sizeof(float), (const float *) dst->data + r0,",
-        "dst->nb[1], rn * sizeof(float), ncols, cudaMemcpyDeviceToHost, copies));",
+        "copies.push_back({ done, (float *) sk.host + r0, nrows * sizeof(float), "
+        "(const float *) dst->data + r0,",
+        "dst->nb[1], rn * sizeof(float), (size_t) ncols });",
     ]:
         assert text in body, text
-    # a slice's copy waits for that slice's launch; the main stream waits for the last copy
-    record = body.index("CUDA_CHECK(cudaEventRecord(done, stream));")
-    assert record < body.index("CUDA_CHECK(cudaStreamWaitEvent(copies, done, 0));", record)
-    join = body.index("CUDA_CHECK(cudaEventRecord(copied, copies));")
-    assert join < body.index("CUDA_CHECK(cudaStreamWaitEvent(stream, copied, 0));", join)
-    assert body.index("sk.issued = true;", join) > join
+    # each slice's event right after its launch (an external event node where a capture defers the
+    # copies to the graph's launches); the copies issued at once or handed to the capture's graph
+    kernel = body.index("ggml_cuda_kernel_launch(kernel,", body.index("for (int64_t t0 = 0;"))
+    record = body.index("cudaEventRecordWithFlags(done, stream, cudaEventRecordExternal)", kernel)
+    assert (
+        record
+        < body.index("cudaEventRecord(done, stream));", record)
+        < body.index("copies.push_back(", record)
+    )
+    defer = body.index("ctx.mc_sink_deferred = std::move(copies);")
+    assert defer < body.index("ctx.mc_sink_issue(copies);", defer) < body.index("sk.issued = true;", defer)
+    assert (
+        "const bool defer = sink && capture == cudaStreamCaptureStatusActive && mc_sink_graph_form() == 1;"
+        in body
+    )
     assert 'mc_env_int("MC_LOGITS_SINK_SLICES", 1, ggml_backend_cuda_context::MC_SINK_MAX_SLICES, 4)' in mc
+    assert 'mc_env_int("MC_LOGITS_SINK_GRAPH", 0, 1, 0)' in mc
+    # a copy waits for its slice's event on the second stream; the main stream for the last copy
+    common = (patched / "ggml" / "src" / "ggml-cuda" / "common.cuh").read_text()
+    issue = common.index("void mc_sink_issue(const std::vector<ggml_cuda_mc_sink_copy> & copies) {")
+    wait = common.index("CUDA_CHECK(cudaStreamWaitEvent(side, c.done, 0));", issue)
+    copy = common.index(
+        "CUDA_CHECK(cudaMemcpy2DAsync(c.dst, c.dpitch, c.src, c.spitch, c.width, c.height,", wait
+    )
+    join = common.index("CUDA_CHECK(cudaEventRecord(copied, side));", copy)
+    assert join < common.index("CUDA_CHECK(cudaStreamWaitEvent(main, copied, 0));", join)
 
 
 def test_a_captured_copy_is_replayed_only_to_the_same_host_memory(patched):
@@ -175,5 +195,8 @@ def test_a_captured_copy_is_replayed_only_to_the_same_host_memory(patched):
     assert (
         cuda.index("graph->mc_sink_issued = cuda_ctx->mc_sink.issued && !mc_sink_issued_before;", end) > end
     )
+    # the capture takes the copies it deferred; every launch issues them after its own events
+    assert cuda.index("graph->mc_sink_copies = std::move(cuda_ctx->mc_sink_deferred);", end) > end
     launch = cuda.index("CUDA_CHECK(cudaGraphLaunch(graph->instance, cuda_ctx->stream()));", end)
-    assert cuda.index("if (graph->mc_sink_issued) {", launch) > launch
+    issued = cuda.index("if (graph->mc_sink_issued) {", launch)
+    assert launch < issued < cuda.index("cuda_ctx->mc_sink_issue(graph->mc_sink_copies);", issued)
