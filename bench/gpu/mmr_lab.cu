@@ -18,6 +18,7 @@
 // COLUMNS 1: the library's persistent decode kernel (patch 0031, mc_pmv_q4_0; on by default, MC_MMV_PERSIST=0:
 // mc_mmv_q4_0 throughout) through the same launcher; MC_LAB_PMV_COPIES=1: that kernel's copies and waits alone where it runs (outputs 0:
 // a bound; the groups it declines, mc_pmv_worth, on mc_mmv_q4_0 as in a step).
+// MC_LAB_Q6K=1 (COLUMNS 9..16): the verify step's Q6_K output product alone (lab_q6k).
 // Usage: mmr_lab REPEATS COLUMNS (COLUMNS 1 or 9..16); mmr_lab plan NSM OCC64 OCC48 OCC32 (no GPU: the
 // verify step's launch plans for that GPU's SMs and each row-tile form's blocks an SM); mmr_lab pmvplan
 // CTAS STAGE_KB (no GPU: the persistent kernel's pieces)
@@ -91,6 +92,85 @@ static __global__ void lab_fill_f32(float * x, const int64_t n, const uint32_t s
         const uint32_t h = ((uint32_t) i * 2246822519u) ^ seed;
         x[i]             = (float) (h % 2001) / 1000.0f - 1.0f;
     }
+}
+
+// random Q6_K blocks: 6-bit quants, sub-block scales and the block's scale from a hash (the scale small
+// positive f16: finite sums)
+static __global__ void lab_fill_q6_K(block_q6_K * w, const int64_t nblocks, const uint32_t seed) {
+    const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= nblocks) {
+        return;
+    }
+    uint32_t h = (uint32_t) i * 2654435761u ^ seed;
+    w[i].d     = __float2half(0.0005f + (float) (h % 1000) * 1e-6f);
+    for (int j = 0; j < QK_K / 2; j++) {
+        h          = h * 1664525u + 1013904223u;
+        w[i].ql[j] = (uint8_t) (h >> 24);
+    }
+    for (int j = 0; j < QK_K / 4; j++) {
+        h          = h * 1664525u + 1013904223u;
+        w[i].qh[j] = (uint8_t) (h >> 24);
+    }
+    for (int j = 0; j < QK_K / 16; j++) {
+        h              = h * 1664525u + 1013904223u;
+        w[i].scales[j] = (int8_t) (h >> 25);  // 0..127
+    }
+}
+
+// MC_LAB_Q6K=1 (COLUMNS 9..16): the verify step's Q6_K output product instead of the Q4_0 groups: patch
+// 0016's mc_mmq_q6_K on the 27B's 248,320 x 5,120 output matrix (1.04 GB, random blocks), its activations
+// quantized once (mc_q6km_quantize), the kernel's attributes as the library sets them
+// (mc_q6km_attributes: MC_MMQ_Q6K_CARVEOUT, patch 0033); REPEATS launches timed by events (no PDL), then
+// the same lines as a step ("group" out_q6k, its checksum)
+static int lab_q6k(const int repeats, const int ncols) {
+    constexpr int64_t nrows = 248320, k = 5120;
+    constexpr int     nblocks   = (int) (k / QK_K);
+    constexpr int64_t row_bytes = nblocks * (int64_t) sizeof(block_q6_K);
+    int               dev       = 0;
+    LAB_CHECK(cudaGetDevice(&dev));
+    char *   w;
+    float *  x;
+    int8_t * yq;
+    float *  yd;
+    float *  dst;
+    LAB_CHECK(cudaMalloc(&w, nrows * row_bytes));
+    LAB_CHECK(cudaMalloc(&x, sizeof(float) * 16 * k));
+    LAB_CHECK(cudaMalloc(&yq, (size_t) 16 * k));
+    LAB_CHECK(cudaMalloc(&yd, sizeof(float) * 16 * nblocks));
+    LAB_CHECK(cudaMalloc(&dst, sizeof(float) * 16 * nrows));
+    const int64_t nb = nrows * nblocks;
+    lab_fill_q6_K<<<(unsigned) ((nb + 255) / 256), 256>>>((block_q6_K *) w, nb, 7u);
+    lab_fill_f32<<<(unsigned) ((16 * k + 255) / 256), 256>>>(x, 16 * k, 11u);
+    mc_q6km_quantize<false><<<(unsigned) ((ncols * nblocks + 7) / 8), 256>>>(x, yq, yd, (int) k, k, ncols);
+    LAB_CHECK(cudaGetLastError());
+    mc_q6km_attributes<2, false>(dev);
+    const auto   kernel = mc_mmq_q6_K<2, false>;
+    const size_t smem   = std::max((size_t) MC_Q6KM_ROWS * row_bytes, (size_t) MC_MMQ_WARPS * 16 * MC_Q6KM_ROWS * 4);
+    int          occupancy = 0;
+    LAB_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, kernel, MC_MMQ_THREADS, smem));
+    const dim3 grid((unsigned) (nrows / MC_Q6KM_ROWS));
+    auto       launch = [&]() {
+        kernel<<<grid, MC_MMQ_THREADS, smem>>>(w, yq, yd, dst, (int) nrows, ncols, nblocks, row_bytes, (int) nrows,
+                                               mc_kernel_flags());
+    };
+    launch();
+    LAB_CHECK(cudaDeviceSynchronize());
+    const std::vector<float> h = lab_fetch<float>(dst, (size_t) ncols * nrows);
+    double                   sum = 0.0, sq = 0.0;
+    for (const float v : h) {
+        sum += v;
+        sq += (double) v * v;
+    }
+    printf("{\"kind\": \"check\", \"group\": \"out_q6k\", \"k_slices\": 1, \"sum\": %.9e, \"sumsq\": %.9e}\n", sum, sq);
+    launch();
+    std::vector<float> group_ms(1, 0.0f);
+    const float        ms = lab_time_groups(
+        repeats, 1, [](size_t) { return 1; }, [&](size_t, int) { launch(); }, group_ms);
+    printf("{\"kind\": \"group\", \"group\": \"out_q6k\", \"launches\": 1, \"us\": %.3f}\n",
+           1000.0f * group_ms[0] / repeats);
+    printf("{\"kind\": \"step\", \"columns\": %d, \"form\": 6, \"blocks_per_sm\": %d, \"step_ms\": %.4f}\n", ncols,
+           occupancy, ms);
+    return 0;
 }
 
 // one column of f32 activations to q8_1 (a warp a block of 32: d = max |x| / 127, s = d * sum of q)
@@ -232,6 +312,13 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "usage: mmr_lab REPEATS COLUMNS (REPEATS >= 1; COLUMNS 1: decode's dp4a kernel, "
                         "9..16: the verify step's two-tile repacked form)\n");
         return 2;
+    }
+    if (mc_env_int("MC_LAB_Q6K", 0, 1, 0) == 1) {
+        if (ncols == 1) {
+            fprintf(stderr, "mmr_lab: MC_LAB_Q6K=1 times the verify step's Q6_K product: COLUMNS 9..16\n");
+            return 2;
+        }
+        return lab_q6k(repeats, ncols);
     }
     const bool decode = ncols == 1;
     const std::vector<lab_group> plan = lab_plan(decode);

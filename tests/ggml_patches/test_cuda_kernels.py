@@ -545,12 +545,15 @@ def test_the_q6k_carveout_setting_is_read_once_and_set_before_the_occupancy_chec
     product asks for that share of shared memory, once a device and kernel, before the launcher's check
     for at least 2 blocks an SM (a carveout too small for 2 spans falls back to stock)."""
     source = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
+    attributes = c_body(source, "static void mc_q6km_attributes(")
+    assert 'mc_env_int("MC_MMQ_Q6K_CARVEOUT", -1, 100, -1)' in attributes
+    attr = attributes.index("cudaFuncAttributePreferredSharedMemoryCarveout, carveout")
+    assert attributes.index("if (carveout >= 0) {") < attr
+    assert "carveout_set[device] = true;" in attributes
+    # the launcher (and bench/gpu/mmr_lab.cu's Q6_K mode) set them before the occupancy check
     launch = c_body(source, "static bool mc_mmq_q6_K_launch(")
-    assert 'mc_env_int("MC_MMQ_Q6K_CARVEOUT", -1, 100, -1)' in launch
-    attr = launch.index("cudaFuncAttributePreferredSharedMemoryCarveout, carveout")
-    check = launch.index("if (mc_blocks_per_sm((const void *) kernel")
-    assert launch.index("if (carveout >= 0) {") < attr < check
-    assert "carveout_set[device] = true;" in launch
+    at = launch.index("mc_q6km_attributes<NT, FRAG>(ggml_cuda_get_device());")
+    assert at < launch.index("if (mc_blocks_per_sm((const void *) kernel")
 
 
 def test_the_glu_runs_in_the_next_products_conversion_only_where_nothing_else_reads_it(patched):
