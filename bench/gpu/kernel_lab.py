@@ -18,7 +18,9 @@ the side-by-side build, so a kernel change is timed in one short call. Writes JS
        _MIN_PIECES / _YSMEM; the groups it declines on the dp4a kernel), MC_LAB_PMV_COPIES=1 its
        copies alone (a bound). A setting with MC_LAB_Q6K=1 (9..16 columns) times the verify step's
        Q6_K output product alone instead (mc_mmq_q6_K on the 27B's 248,320 x 5,120 matrix, group
-       out_q6k; e.g. with MC_MMQ_Q6K_CARVEOUT=64 against without).
+       out_q6k; e.g. with MC_MMQ_Q6K_CARVEOUT=64 against without; MC_LAB_Q6K_HOST=1: each launch
+       followed by its outputs' copy to page-locked host memory, =2: the kernel writes that memory
+       itself, patch 0035; the checksum then the host memory's).
   wg: bench/gpu/wg_lab.cu, a standalone prototype (not in the patch series) of the 16-column product on
        sm_90a's asynchronous warpgroup MMAs, on the same product groups, checked against a host
        reference (which of the descriptor's two stride fields is which, tried both ways), for --wg 1

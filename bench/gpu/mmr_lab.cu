@@ -18,7 +18,9 @@
 // COLUMNS 1: the library's persistent decode kernel (patch 0031, mc_pmv_q4_0; on by default, MC_MMV_PERSIST=0:
 // mc_mmv_q4_0 throughout) through the same launcher; MC_LAB_PMV_COPIES=1: that kernel's copies and waits alone where it runs (outputs 0:
 // a bound; the groups it declines, mc_pmv_worth, on mc_mmv_q4_0 as in a step).
-// MC_LAB_Q6K=1 (COLUMNS 9..16): the verify step's Q6_K output product alone (lab_q6k).
+// MC_LAB_Q6K=1 (COLUMNS 9..16): the verify step's Q6_K output product alone (lab_q6k); MC_LAB_Q6K_HOST
+// 1: each launch followed by the outputs' copy to page-locked host memory (as llama.cpp copies the
+// logits after the graph), 2: the kernel writes that memory itself (patch 0035, MC_LOGITS_SINK_DIRECT).
 // Usage: mmr_lab REPEATS COLUMNS (COLUMNS 1 or 9..16); mmr_lab plan NSM OCC64 OCC48 OCC32 (no GPU: the
 // verify step's launch plans for that GPU's SMs and each row-tile form's blocks an SM); mmr_lab pmvplan
 // CTAS STAGE_KB (no GPU: the persistent kernel's pieces)
@@ -121,8 +123,10 @@ static __global__ void lab_fill_q6_K(block_q6_K * w, const int64_t nblocks, cons
 // 0016's mc_mmq_q6_K on the 27B's 248,320 x 5,120 output matrix (1.04 GB, random blocks), its activations
 // quantized once (mc_q6km_quantize), the kernel's attributes as the library sets them
 // (mc_q6km_attributes: MC_MMQ_Q6K_CARVEOUT, patch 0033); REPEATS launches timed by events (no PDL), then
-// the same lines as a step ("group" out_q6k, its checksum)
-static int lab_q6k(const int repeats, const int ncols) {
+// the same lines as a step ("group" out_q6k, its checksum). host: MC_LAB_Q6K_HOST (0: the device output
+// alone, 1: a copy to page-locked host memory after each launch, 2: the kernel writes the host memory too;
+// the checksum is then the host memory's)
+static int lab_q6k(const int repeats, const int ncols, const int host) {
     constexpr int64_t nrows = 248320, k = 5120;
     constexpr int     nblocks   = (int) (k / QK_K);
     constexpr int64_t row_bytes = nblocks * (int64_t) sizeof(block_q6_K);
@@ -138,6 +142,11 @@ static int lab_q6k(const int repeats, const int ncols) {
     LAB_CHECK(cudaMalloc(&yq, (size_t) 16 * k));
     LAB_CHECK(cudaMalloc(&yd, sizeof(float) * 16 * nblocks));
     LAB_CHECK(cudaMalloc(&dst, sizeof(float) * 16 * nrows));
+    float * dsth = nullptr;  // page-locked, mapped under unified addressing: the kernel can write it
+    if (host > 0) {
+        LAB_CHECK(cudaMallocHost(&dsth, sizeof(float) * ncols * nrows));
+        std::fill(dsth, dsth + (size_t) ncols * nrows, 0.0f);
+    }
     const int64_t nb = nrows * nblocks;
     lab_fill_q6_K<<<(unsigned) ((nb + 255) / 256), 256>>>((block_q6_K *) w, nb, 7u);
     lab_fill_f32<<<(unsigned) ((16 * k + 255) / 256), 256>>>(x, 16 * k, 11u);
@@ -150,12 +159,16 @@ static int lab_q6k(const int repeats, const int ncols) {
     LAB_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, kernel, MC_MMQ_THREADS, smem));
     const dim3 grid((unsigned) (nrows / MC_Q6KM_ROWS));
     auto       launch = [&]() {
-        kernel<<<grid, MC_MMQ_THREADS, smem>>>(w, yq, yd, dst, (int) nrows, ncols, nblocks, row_bytes, (int) nrows,
-                                               mc_kernel_flags());
+        kernel<<<grid, MC_MMQ_THREADS, smem>>>(w, yq, yd, dst, host == 2 ? dsth : nullptr, (int) nrows, ncols,
+                                               nblocks, row_bytes, (int) nrows, mc_kernel_flags());
+        if (host == 1) {
+            LAB_CHECK(cudaMemcpyAsync(dsth, dst, sizeof(float) * ncols * nrows, cudaMemcpyDeviceToHost));
+        }
     };
     launch();
     LAB_CHECK(cudaDeviceSynchronize());
-    const std::vector<float> h = lab_fetch<float>(dst, (size_t) ncols * nrows);
+    const std::vector<float> h = host > 0 ? std::vector<float>(dsth, dsth + (size_t) ncols * nrows) :
+                                            lab_fetch<float>(dst, (size_t) ncols * nrows);
     double                   sum = 0.0, sq = 0.0;
     for (const float v : h) {
         sum += v;
@@ -318,7 +331,7 @@ int main(int argc, char ** argv) {
             fprintf(stderr, "mmr_lab: MC_LAB_Q6K=1 times the verify step's Q6_K product: COLUMNS 9..16\n");
             return 2;
         }
-        return lab_q6k(repeats, ncols);
+        return lab_q6k(repeats, ncols, mc_env_int("MC_LAB_Q6K_HOST", 0, 2, 0));
     }
     const bool decode = ncols == 1;
     const std::vector<lab_group> plan = lab_plan(decode);

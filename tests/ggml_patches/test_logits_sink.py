@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,7 +142,7 @@ def test_the_slices_are_launched_and_joined_as_emulated(patched):
     launch = mc.index("static bool mc_mmq_q6_K_launch(")
     body = mc[launch : mc.index("static bool mc_mmq_q6_K_try(", launch)]
     for text in [
-        "const int64_t per    = sink ? (tiles + mc_sink_slices() - 1) / mc_sink_slices() : tiles;",
+        "const int64_t per    = sink && !direct ? (tiles + mc_sink_slices() - 1) / mc_sink_slices() : tiles;",
         "for (int64_t t0 = 0; t0 < tiles; t0 += per, ++slice) {",
         "const int64_t r0 = t0 * MC_Q6KM_ROWS;",
         "const int64_t rn = std::min(per * MC_Q6KM_ROWS, nrows - r0);",
@@ -161,6 +162,7 @@ def test_the_slices_are_launched_and_joined_as_emulated(patched):
     )
     defer = body.index("ctx.mc_sink_deferred = std::move(copies);")
     assert defer < body.index("ctx.mc_sink_issue(copies);", defer) < body.index("sk.issued = true;", defer)
+    assert body.index("if (sink && !direct) {\n        if (defer) {") < defer
     assert (
         "const bool defer = sink && capture == cudaStreamCaptureStatusActive && mc_sink_graph_form() == 1;"
         in body
@@ -200,3 +202,63 @@ def test_a_captured_copy_is_replayed_only_to_the_same_host_memory(patched):
     launch = cuda.index("CUDA_CHECK(cudaGraphLaunch(graph->instance, cuda_ctx->stream()));", end)
     issued = cuda.index("if (graph->mc_sink_issued) {", launch)
     assert launch < issued < cuda.index("cuda_ctx->mc_sink_issue(graph->mc_sink_copies);", issued)
+
+
+def test_the_direct_form_writes_each_logit_once_where_the_copy_would_put_it():
+    """Patch 0035 (MC_LOGITS_SINK_DIRECT=1): one launch of mc_mmq_q6_K over every tile, each block's
+    write loop (thread i of 256 takes sums i, i + 256, ..: row i % 16 of the tile, column i / 16) storing
+    to dsth at dst's own offset (column c * stride + row0 + r; the sink takes only a contiguous output,
+    so the stride is nrows floats, the host copy's column pitch): every host float written once, with its
+    own (row, column)'s sum."""
+    rows = 16
+    for nrows, ncols in [(248320, 16), (248320, 12), (1000, 9), (17, 16), (40, 2)]:
+        nt = 1 if ncols <= 8 else 2
+        i = np.arange(8 * nt * rows)  # the loop's sums over the block's threads, in any order
+        r, c = i % rows, i // rows
+        row0 = np.arange((nrows + rows - 1) // rows)[:, None] * rows
+        keep = (r[None, :] < nrows - row0) & (c[None, :] < ncols)
+        at = (c[None, :] * nrows + row0 + r[None, :])[keep]  # the host float each store writes
+        sum_row = (row0 + r[None, :])[keep]
+        sum_col = np.broadcast_to(c[None, :], keep.shape)[keep]
+        assert np.array_equal(np.bincount(at, minlength=nrows * ncols), np.ones(nrows * ncols, np.int64))
+        assert np.array_equal(at % nrows, sum_row) and np.array_equal(at // nrows, sum_col)
+
+
+def test_the_direct_form_is_wired_as_emulated(patched):
+    mc = (patched / "ggml" / "src" / "ggml-cuda" / "mc-mmv.cu").read_text()
+    kernel = mc.index("static __global__ void mc_mmq_q6_K(")
+    assert mc.index("float * dst, float * dsth,", kernel) < mc.index("{", kernel)
+    store = mc.index("dst[(int64_t) c * stride_col_dst + row0 + r] = x;", kernel)
+    host = mc.index("if (dsth != nullptr) {", store)
+    assert (
+        host < mc.index("dsth[(int64_t) c * stride_col_dst + row0 + r] = x;", host) < mc.index("\n}\n", store)
+    )
+    launch = mc.index("static bool mc_mmq_q6_K_launch(")
+    body = mc[launch : mc.index("static bool mc_mmq_q6_K_try(", launch)]
+    # only a contiguous output of the whole tensor (the stride is the host copy's pitch), direct only
+    # where the host memory has a device address; then one launch, no events and no copies
+    sink = body.index(
+        "const bool    sink   = sk.tensor == dst && !sk.issued && sk.bytes == ggml_nbytes(dst) &&"
+    )
+    assert body.index("ggml_is_contiguous(dst)", sink) < body.index(
+        ";", body.index("ggml_is_contiguous(dst)", sink)
+    )
+    direct = "const bool    direct = sink && mc_sink_direct() == 1 && sk.host_dev != nullptr;"
+    assert body.index(direct) < body.index("const int64_t per    = sink && !direct ?")
+    assert "direct ? (float *) sk.host_dev + r0 : (float *) nullptr, (int) rn," in body
+    assert "if (sink && !direct) {  // rows r0 .. r0 + rn of every column: a 2D copy" in body
+    assert "if (sink && !direct) {\n        CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));" in body
+    # both forms tell llama.cpp its copy is made, after the copies are issued or handed to the capture
+    issued = body.index("if (sink) {  // the copy is made (or, direct, the product writes the host)")
+    assert body.index("ctx.mc_sink_issue(copies);") < issued < body.index("sk.issued = true;", issued)
+    assert 'mc_env_int("MC_LOGITS_SINK_DIRECT", 0, 1, 1)' in mc
+    # the device address is the page-locked memory's own, taken after the check that it is page-locked
+    cuda = (patched / "ggml" / "src" / "ggml-cuda" / "ggml-cuda.cu").read_text()
+    setter = cuda.index("static bool ggml_backend_cuda_mc_set_host_sink(")
+    typed = cuda.index("attr.type != cudaMemoryTypeHost", setter)
+    assert typed < cuda.index("ctx->mc_sink = { tensor, host, bytes, false, attr.devicePointer };", typed)
+    common = (patched / "ggml" / "src" / "ggml-cuda" / "common.cuh").read_text()
+    struct = common.index("struct mc_host_sink {")
+    assert common.index("void *              host_dev = nullptr;", struct) < common.index(
+        "} mc_sink;", struct
+    )
