@@ -125,9 +125,8 @@ static __global__ void lab_fill_q6_K(block_q6_K * w, const int64_t nblocks, cons
 // (mc_q6km_attributes: MC_MMQ_Q6K_CARVEOUT, patch 0033); REPEATS launches timed by events (no PDL), then
 // the same lines as a step ("group" out_q6k, its checksum). host: MC_LAB_Q6K_HOST (0: the device output
 // alone, 1: a copy to page-locked host memory after each launch, 2: the kernel writes the host memory too;
-// the checksum is then the host memory's). NW: the block's warps (MC_MMQ_Q6K_WARPS, patch 0036, read as
-// the library reads it)
-template <int NW> static int lab_q6k(const int repeats, const int ncols, const int host) {
+// the checksum is then the host memory's)
+static int lab_q6k(const int repeats, const int ncols, const int host) {
     constexpr int64_t nrows = 248320, k = 5120;
     constexpr int     nblocks   = (int) (k / QK_K);
     constexpr int64_t row_bytes = nblocks * (int64_t) sizeof(block_q6_K);
@@ -153,14 +152,14 @@ template <int NW> static int lab_q6k(const int repeats, const int ncols, const i
     lab_fill_f32<<<(unsigned) ((16 * k + 255) / 256), 256>>>(x, 16 * k, 11u);
     mc_q6km_quantize<false><<<(unsigned) ((ncols * nblocks + 7) / 8), 256>>>(x, yq, yd, (int) k, k, ncols);
     LAB_CHECK(cudaGetLastError());
-    mc_q6km_attributes<2, false, NW>(dev);
-    const auto   kernel = mc_mmq_q6_K<2, false, NW>;
-    const size_t smem   = std::max((size_t) MC_Q6KM_ROWS * row_bytes, (size_t) NW * 16 * MC_Q6KM_ROWS * 4);
+    mc_q6km_attributes<2, false>(dev);
+    const auto   kernel = mc_mmq_q6_K<2, false>;
+    const size_t smem   = std::max((size_t) MC_Q6KM_ROWS * row_bytes, (size_t) MC_MMQ_WARPS * 16 * MC_Q6KM_ROWS * 4);
     int          occupancy = 0;
-    LAB_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, kernel, NW * WARP_SIZE, smem));
+    LAB_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, kernel, MC_MMQ_THREADS, smem));
     const dim3 grid((unsigned) (nrows / MC_Q6KM_ROWS));
     auto       launch = [&]() {
-        kernel<<<grid, NW * WARP_SIZE, smem>>>(w, yq, yd, dst, host == 2 ? dsth : nullptr, (int) nrows, ncols,
+        kernel<<<grid, MC_MMQ_THREADS, smem>>>(w, yq, yd, dst, host == 2 ? dsth : nullptr, (int) nrows, ncols,
                                                nblocks, row_bytes, (int) nrows, mc_kernel_flags());
         if (host == 1) {
             LAB_CHECK(cudaMemcpyAsync(dsth, dst, sizeof(float) * ncols * nrows, cudaMemcpyDeviceToHost));
@@ -332,11 +331,7 @@ int main(int argc, char ** argv) {
             fprintf(stderr, "mmr_lab: MC_LAB_Q6K=1 times the verify step's Q6_K product: COLUMNS 9..16\n");
             return 2;
         }
-        const int host = mc_env_int("MC_LAB_Q6K_HOST", 0, 2, 0);
-        const int nw   = mc_q6km_warps();
-        return nw == 5 ? lab_q6k<5>(repeats, ncols, host) :
-               nw == 8 ? lab_q6k<8>(repeats, ncols, host) :
-                         lab_q6k<MC_MMQ_WARPS>(repeats, ncols, host);
+        return lab_q6k(repeats, ncols, mc_env_int("MC_LAB_Q6K_HOST", 0, 2, 0));
     }
     const bool decode = ncols == 1;
     const std::vector<lab_group> plan = lab_plan(decode);
