@@ -69,10 +69,24 @@ def lds_b2(span: np.ndarray, off: np.ndarray) -> np.ndarray:
 
 
 def vsubss4_20(x: np.ndarray) -> np.ndarray:
-    """__vsubss4(x, 0x20202020) as 4 int8 lanes (values 0..63, no saturation)."""
+    """__vsubss4(x, 0x20202020) as 4 int8 lanes (values 0..63, no saturation): the kernel's unpacking
+    before patch 0036, kept here as the reference for its replacement."""
     lanes = np.stack([(x >> (8 * i)) & 255 for i in range(4)], axis=-1)
     assert lanes.max() < 64
     return lanes - 32
+
+
+def int8_lanes(x: np.ndarray) -> np.ndarray:
+    lanes = np.stack([(x >> (8 * i)) & 255 for i in range(4)], axis=-1)
+    return lanes - 256 * (lanes >= 128)
+
+
+def q6_4x_less32(lo_word: np.ndarray, hf: np.ndarray, nib: int, q: int) -> np.ndarray:
+    """mc_q6_4x_less32<NIB, Q> (patch 0036) on 32-bit words: the ql word shifted left (NIB 0) or right
+    (NIB 1) by 2 and masked to bits 2..5 of each byte, OR the flipped qh word (qh ^ 0xAAAAAAAA) shifted
+    left by 6 - 2 Q and masked to bits 6..7; 4 int8 lanes."""
+    lo = ((lo_word << 2) if nib == 0 else (lo_word >> 2)) & 0x3C3C3C3C
+    return int8_lanes(lo | ((hf << (6 - 2 * q)) & 0xC0C0C0C0))
 
 
 def emulate(w: np.ndarray, yq: np.ndarray, yd: np.ndarray, rows: int, k: int) -> np.ndarray:
@@ -100,17 +114,13 @@ def emulate(w: np.ndarray, yq: np.ndarray, yd: np.ndarray, rows: int, k: int) ->
                         l_ = 16 * is_ + 4 * t
                         la = [lds_b2(span, pa + h * 64 + l_), lds_b2(span, pa + h * 64 + 32 + l_)]
                         lb = [lds_b2(span, pb + h * 64 + l_), lds_b2(span, pb + h * 64 + 32 + l_)]
-                        ha = lds_b2(span, pa + 128 + h * 32 + l_)
-                        hb = lds_b2(span, pb + 128 + h * 32 + l_)
+                        hfa = lds_b2(span, pa + 128 + h * 32 + l_) ^ 0xAAAAAAAA
+                        hfb = lds_b2(span, pb + 128 + h * 32 + l_) ^ 0xAAAAAAAA
                         for q in range(4):
                             s = 8 * h + 2 * q + is_
-                            sh = 4 * (q >> 1)
-                            a0 = vsubss4_20(
-                                ((la[q & 1] >> sh) & 0x0F0F0F0F) | ((ha >> (2 * q)) & 0x03030303) << 4
-                            )
-                            a1 = vsubss4_20(
-                                ((lb[q & 1] >> sh) & 0x0F0F0F0F) | ((hb >> (2 * q)) & 0x03030303) << 4
-                            )
+                            # patch 0036: 4 (x - 32), word q & 1, nibble q >> 1 (the sums 4x, d / 4 below)
+                            a0 = q6_4x_less32(la[q & 1], hfa, q >> 1, q)
+                            a1 = q6_4x_less32(lb[q & 1], hfb, q >> 1, q)
                             # the scales as 4 words a row, byte s % 4 of word s / 4, sign-extended
                             sa = (lds_b2(span, pa + 192 + 4 * (s // 4)) >> (8 * (s % 4))) & 255
                             sb = (lds_b2(span, pb + 192 + 4 * (s // 4)) >> (8 * (s % 4))) & 255
@@ -130,8 +140,8 @@ def emulate(w: np.ndarray, yq: np.ndarray, yd: np.ndarray, rows: int, k: int) ->
                                 cols_c = [2 * t, 2 * t + 1, 2 * t, 2 * t + 1]
                                 c = np.stack([C[r, cc] for r, cc in zip(rows_c, cols_c, strict=True)], axis=1)
                                 isum[nt] += c * np.stack([sa, sa, sb, sb], axis=1)
-                da = np.array([span[p + 208 : p + 210].view(np.float16)[0] for p in pa], np.float64)
-                db = np.array([span[p + 208 : p + 210].view(np.float16)[0] for p in pb], np.float64)
+                da = 0.25 * np.array([span[p + 208 : p + 210].view(np.float16)[0] for p in pa], np.float64)
+                db = 0.25 * np.array([span[p + 208 : p + 210].view(np.float16)[0] for p in pb], np.float64)
                 for nt in range(nt_count):
                     d0 = yd[np.minimum(nt * 8 + 2 * t, ncols - 1), kb]
                     d1 = yd[np.minimum(nt * 8 + 2 * t + 1, ncols - 1), kb]
@@ -222,3 +232,56 @@ def test_the_fragment_order_gives_every_lane_the_same_words():
         for t in range(4)
     ]
     assert any(bad)
+
+
+def test_the_shifted_unpacking_is_four_times_the_saturating_one_for_every_byte():
+    """Patch 0036: every (ql byte, qh byte) pair, both nibbles and all four qh bit pairs: the new A bytes
+    are exactly 4 x the old __vsubss4 ones (so the int32 sums are 4x and d / 4 gives the same floats:
+    both factors are powers of two), and they fit int8 (4 (x - 32) in -128..124). Not flipping qh's bits,
+    or flipping the wrong ones, fails it."""
+    lo, hi = np.meshgrid(np.arange(256, dtype=np.int64), np.arange(256, dtype=np.int64))
+    lo, hi = lo.ravel(), hi.ravel()
+    # the same byte in all four lanes of a word, and a word of four different bytes
+    words_lo = lo * 0x01010101
+    words_hi = hi * 0x01010101
+    mixed_lo = (lo | np.roll(lo, 1) << 8 | np.roll(lo, 7) << 16 | np.roll(lo, 77) << 24).astype(np.int64)
+    mixed_hi = (hi | np.roll(hi, 3) << 8 | np.roll(hi, 11) << 16 | np.roll(hi, 101) << 24).astype(np.int64)
+    for wl, wh in ((words_lo, words_hi), (mixed_lo, mixed_hi)):
+        for q in range(4):
+            nib, word = q >> 1, wl
+            old = vsubss4_20(((word >> (4 * nib)) & 0x0F0F0F0F) | ((wh >> (2 * q)) & 0x03030303) << 4)
+            new = q6_4x_less32(word, wh ^ 0xAAAAAAAA, nib, q)
+            assert np.array_equal(new, 4 * old), q
+            assert new.min() >= -128 and new.max() <= 124
+            for bad in (wh, wh ^ 0x55555555):
+                assert not np.array_equal(q6_4x_less32(word, bad, nib, q), 4 * old)
+    # a Q6_K block's sums stay in int32: 16 sub-blocks x sub-block scale 128 x 16 values x 128 x 127
+    assert 16 * 128 * 16 * 128 * 127 < 2**31
+
+
+def test_the_kernel_unpacks_as_emulated(patched):
+    """The source's calls match the emulation above: word q & 1, nibble q >> 1, qh flipped once, d / 4;
+    no saturating subtraction left in the block's loop."""
+    mc = (patched / "ggml" / "src" / "ggml-cuda" / "mc-mmv.cu").read_text()
+    helper = mc.index("static __device__ __forceinline__ int mc_q6_4x_less32(")
+    assert mc.index("(NIB == 0 ? lo_word << 2 : lo_word >> 2) & 0x3C3C3C3Cu;", helper) < mc.index(
+        "return (int) (lo | ((hf << (6 - 2 * Q)) & 0xC0C0C0C0u));", helper
+    )
+    block = mc.index("static __device__ __forceinline__ void mc_q6km_block(")
+    body = mc[block : mc.index("\n}\n", block)]
+    for text in [
+        "mc_lds_b2((const char *) ba->qh + h * 32 + l) ^ 0xAAAAAAAAu;",
+        "mc_lds_b2((const char *) bb->qh + h * 32 + l) ^ 0xAAAAAAAAu;",
+        "const int a0 = q == 0 ? mc_q6_4x_less32<0, 0>(la[0], hfa) :",
+        "q == 1 ? mc_q6_4x_less32<0, 1>(la[1], hfa) :",
+        "q == 2 ? mc_q6_4x_less32<1, 2>(la[0], hfa) :",
+        "mc_q6_4x_less32<1, 3>(la[1], hfa);",
+        "const int a1 = q == 0 ? mc_q6_4x_less32<0, 0>(lb[0], hfb) :",
+        "q == 1 ? mc_q6_4x_less32<0, 1>(lb[1], hfb) :",
+        "q == 2 ? mc_q6_4x_less32<1, 2>(lb[0], hfb) :",
+        "mc_q6_4x_less32<1, 3>(lb[1], hfb);",
+        "const float da = 0.25f * __half2float(ba->d);",
+        "const float db = 0.25f * __half2float(bb->d);",
+    ]:
+        assert text in body, text
+    assert "__vsubss4" not in body
