@@ -25,7 +25,8 @@ from pathlib import Path
 from sass_summary import summary as sass_summary  # beside this file, on the path of a script run
 
 ROOT = Path(__file__).resolve().parents[2]
-SASS_KERNELS = r"mc_mmh_q4_0|mc_mmq_q4_0|mc_mmv_q4_0ILi1E"  # the tensor-core forms and the decode kernel
+# the tensor-core forms, the decode kernel and the Q6_K product at 9..16 columns
+SASS_KERNELS = r"mc_mmh_q4_0|mc_mmq_q4_0|mc_mmv_q4_0ILi1E|mc_mmq_q6_KILi2E"
 
 
 def json_lines(path: Path) -> list[dict]:
