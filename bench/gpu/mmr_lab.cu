@@ -122,11 +122,13 @@ static __global__ void lab_fill_q6_K(block_q6_K * w, const int64_t nblocks, cons
 // MC_LAB_Q6K=1 (COLUMNS 9..16): the verify step's Q6_K output product instead of the Q4_0 groups: patch
 // 0016's mc_mmq_q6_K on the 27B's 248,320 x 5,120 output matrix (1.04 GB, random blocks), its activations
 // quantized once (mc_q6km_quantize), the kernel's attributes as the library sets them
-// (mc_q6km_attributes: MC_MMQ_Q6K_CARVEOUT, patch 0033); REPEATS launches timed by events (no PDL), then
-// the same lines as a step ("group" out_q6k, its checksum). host: MC_LAB_Q6K_HOST (0: the device output
-// alone, 1: a copy to page-locked host memory after each launch, 2: the kernel writes the host memory too;
-// the checksum is then the host memory's)
-static int lab_q6k(const int repeats, const int ncols, const int host) {
+// (mc_q6km_attributes: MC_MMQ_Q6K_CARVEOUT, patch 0033) and its form as the library picks it
+// (MC_MMQ_Q6K_FRAG, MC_MMQ_Q6K_LAYOUT of patch 0037: mc_q6km_frag, mc_q6km_layout, mc_q6km_smem);
+// REPEATS launches timed by events (no PDL), then the same lines as a step ("group" out_q6k, its
+// checksum). host: MC_LAB_Q6K_HOST (0: the device output alone, 1: a copy to page-locked host memory
+// after each launch, 2: the kernel writes the host memory too; the checksum is then the host memory's)
+template <bool FRAG, int L>
+static int lab_q6k_form(const int repeats, const int ncols, const int host) {
     constexpr int64_t nrows = 248320, k = 5120;
     constexpr int     nblocks   = (int) (k / QK_K);
     constexpr int64_t row_bytes = nblocks * (int64_t) sizeof(block_q6_K);
@@ -150,11 +152,11 @@ static int lab_q6k(const int repeats, const int ncols, const int host) {
     const int64_t nb = nrows * nblocks;
     lab_fill_q6_K<<<(unsigned) ((nb + 255) / 256), 256>>>((block_q6_K *) w, nb, 7u);
     lab_fill_f32<<<(unsigned) ((16 * k + 255) / 256), 256>>>(x, 16 * k, 11u);
-    mc_q6km_quantize<false><<<(unsigned) ((ncols * nblocks + 7) / 8), 256>>>(x, yq, yd, (int) k, k, ncols);
+    mc_q6km_quantize<FRAG><<<(unsigned) ((ncols * nblocks + 7) / 8), 256>>>(x, yq, yd, (int) k, k, ncols);
     LAB_CHECK(cudaGetLastError());
-    mc_q6km_attributes<2, false>(dev);
-    const auto   kernel = mc_mmq_q6_K<2, false>;
-    const size_t smem   = std::max((size_t) MC_Q6KM_ROWS * row_bytes, (size_t) MC_MMQ_WARPS * 16 * MC_Q6KM_ROWS * 4);
+    mc_q6km_attributes<2, FRAG, L>(dev);
+    const auto   kernel = mc_mmq_q6_K<2, FRAG, L>;
+    const size_t smem   = mc_q6km_smem(row_bytes, L);
     int          occupancy = 0;
     LAB_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, kernel, MC_MMQ_THREADS, smem));
     const dim3 grid((unsigned) (nrows / MC_Q6KM_ROWS));
@@ -181,9 +183,22 @@ static int lab_q6k(const int repeats, const int ncols, const int host) {
         repeats, 1, [](size_t) { return 1; }, [&](size_t, int) { launch(); }, group_ms);
     printf("{\"kind\": \"group\", \"group\": \"out_q6k\", \"launches\": 1, \"us\": %.3f}\n",
            1000.0f * group_ms[0] / repeats);
-    printf("{\"kind\": \"step\", \"columns\": %d, \"form\": 6, \"blocks_per_sm\": %d, \"step_ms\": %.4f}\n", ncols,
-           occupancy, ms);
+    printf("{\"kind\": \"step\", \"columns\": %d, \"form\": 6, \"layout\": %d, \"frag\": %d, \"smem\": %zu, "
+           "\"blocks_per_sm\": %d, \"step_ms\": %.4f}\n",
+           ncols, L, FRAG ? 1 : 0, smem, occupancy, ms);
     return 0;
+}
+
+static int lab_q6k(const int repeats, const int ncols, const int host) {
+    const int layout = mc_q6km_layout((5120 / QK_K) * (int64_t) sizeof(block_q6_K));
+    if (mc_q6km_frag()) {
+        return layout == 2 ? lab_q6k_form<true, 2>(repeats, ncols, host) :
+               layout == 1 ? lab_q6k_form<true, 1>(repeats, ncols, host) :
+                             lab_q6k_form<true, 0>(repeats, ncols, host);
+    }
+    return layout == 2 ? lab_q6k_form<false, 2>(repeats, ncols, host) :
+           layout == 1 ? lab_q6k_form<false, 1>(repeats, ncols, host) :
+                         lab_q6k_form<false, 0>(repeats, ncols, host);
 }
 
 // one column of f32 activations to q8_1 (a warp a block of 32: d = max |x| / 127, s = d * sum of q)

@@ -102,12 +102,14 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     q6k = re.findall(r"Compiling entry function '_Z11mc_mmv_q6_K\w+'.*?Used (\d+) registers", report, re.S)
     assert len(q6k) == 1 and int(q6k[0]) <= 80, q6k
     # Q6_K at 2..16 columns (patch 0016): one and two tiles of 8 columns, each with the activations in
-    # their own order and in the B fragments' (patch 0030, MC_MMQ_Q6K_FRAG), registers for 3 blocks of
-    # 128 threads an SM (65,536 / 384 = 170), and the activations' int8 quantizer in both orders
-    name = r"Compiling entry function '_Z11mc_mmq_q6_KILi(\d)ELb(\d)EE\w+'.*?Used (\d+) registers"
+    # their own order and in the B fragments' (patch 0030, MC_MMQ_Q6K_FRAG), in each of patch 0037's
+    # three layouts (MC_MMQ_Q6K_LAYOUT), registers for 3 blocks of 128 threads an SM (65,536 / 384 =
+    # 170), and the activations' int8 quantizer in both orders
+    name = r"Compiling entry function '_Z11mc_mmq_q6_KILi(\d)ELb(\d)ELi(\d)EE\w+'.*?Used (\d+) registers"
     q6km = re.findall(name, report, re.S)
-    assert sorted((nt, f) for nt, f, _ in q6km) == [("1", "0"), ("1", "1"), ("2", "0"), ("2", "1")], q6km
-    assert all(int(r) <= 168 for _, _, r in q6km), q6km
+    want = sorted((nt, f, lay) for nt in "12" for f in "01" for lay in "012")
+    assert sorted((nt, f, lay) for nt, f, lay, _ in q6km) == want, q6km
+    assert all(int(r) <= 168 for *_, r in q6km), q6km
     assert "Compiling entry function '_Z16mc_q6km_quantizeILb0E" in report
     assert "Compiling entry function '_Z16mc_q6km_quantizeILb1E" in report
     # the persistent one-column kernel (patch 0031, MC_MMV_PERSIST): plain and gated, with its arithmetic
@@ -285,11 +287,15 @@ def test_the_q6k_activations_fragment_order_matches_its_emulation(patched):
     load = c_body(source, head)
     assert "const int4 w      = *(const int4 *) (blk + 64 * i + 16 * t);" in load
     assert "yb[nt][s] = *(const int *) (blk + 4 * t + 16 * s);" in load
-    launch = c_body(source, "template <int NT, bool FRAG>\nstatic bool mc_mmq_q6_K_launch(")
-    assert "mc_mmq_q6_K<NT, FRAG>" in launch and "mc_q6km_quantize<FRAG>" in launch
+    launch = c_body(source, "template <int NT, bool FRAG, int L>\nstatic bool mc_mmq_q6_K_launch(")
+    assert "mc_mmq_q6_K<NT, FRAG, L>" in launch and "mc_q6km_quantize<FRAG>" in launch
+    assert 'mc_env_int("MC_MMQ_Q6K_FRAG", 0, 1, 0) == 1' in c_body(source, "static bool mc_q6km_frag(")
+    pick = c_body(source, "static bool mc_mmq_q6_K_pick(")
+    assert "mc_mmq_q6_K_launch<2, true, L>" in pick and "mc_mmq_q6_K_launch<2, false, L>" in pick
     try_ = c_body(source, "static bool mc_mmq_q6_K_try(")
-    assert 'mc_env_int("MC_MMQ_Q6K_FRAG", 0, 1, 0)' in try_
-    assert "mc_mmq_q6_K_launch<2, true>" in try_ and "mc_mmq_q6_K_launch<2, false>" in try_
+    assert "const bool frag = mc_q6km_frag();" in try_
+    for layout in "012":
+        assert f"mc_mmq_q6_K_pick<{layout}>(ctx, src0, src1, dst, smem, frag)" in try_
 
 
 def test_the_persistent_one_column_kernel_is_wired_and_falls_back(patched):
@@ -552,7 +558,7 @@ def test_the_q6k_carveout_setting_is_read_once_and_set_before_the_occupancy_chec
     assert "carveout_set[device] = true;" in attributes
     # the launcher (and bench/gpu/mmr_lab.cu's Q6_K mode) set them before the occupancy check
     launch = c_body(source, "static bool mc_mmq_q6_K_launch(")
-    at = launch.index("mc_q6km_attributes<NT, FRAG>(ggml_cuda_get_device());")
+    at = launch.index("mc_q6km_attributes<NT, FRAG, L>(ggml_cuda_get_device());")
     assert at < launch.index("if (mc_blocks_per_sm((const void *) kernel")
 
 

@@ -68,6 +68,77 @@ def lds_b2(span: np.ndarray, off: np.ndarray) -> np.ndarray:
     return b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24
 
 
+def q6km_ld(span: np.ndarray, off, al: bool, trace: list | None = None) -> np.ndarray:
+    """mc_q6km_ld<AL> (patch 0037): AL one 32-bit load (the offset must be a word's), else mc_lds_b2's
+    two 16-bit loads. trace: each load instruction's 32 lane offsets appended (for the bank count)."""
+    off = np.broadcast_to(np.asarray(off, np.int64), (32,))
+    if al:
+        assert np.all(off % 4 == 0), "a 32-bit load off a word"
+    if trace is not None:
+        trace.extend([off] if al else [off, off + 2])
+    return lds_b2(span, off)
+
+
+def pitch(row_bytes: int) -> int:
+    """mc_q6km_pitch: row_bytes rounded up to 16 bytes, P / 16 odd."""
+    p16 = (row_bytes + 15) // 16
+    return 16 * (p16 if p16 % 2 == 1 else p16 + 1)
+
+
+def smem_bytes(row_bytes: int, layout: int) -> int:
+    """mc_q6km_smem: the rows (layout 2: two sets at the pitch), at least the warps' sums."""
+    rows = 15 * pitch(row_bytes) + row_bytes % 16 + row_bytes if layout == 2 else ROWS * row_bytes
+    return max(rows, WARPS * 16 * ROWS * 4)
+
+
+def layout_for(requested: int, row_bytes: int) -> int:
+    """mc_q6km_layout: 2 needs row_bytes % 8 == 0, 1 row_bytes % 4 == 0, else the next lower."""
+    if requested == 2 and row_bytes % 8 == 0:
+        return 2
+    return 1 if requested >= 1 and row_bytes % 4 == 0 else 0
+
+
+def copy_sets(row_bytes: int, here: int) -> list[tuple[int, int, int]]:
+    """mc_q6km_copy_sets' pieces as (shared-memory offset, offset from the tile's first row, bytes), in
+    the kernel's order (the threads' loop flattened)."""
+    p, d = pitch(row_bytes), row_bytes % 16
+    n16, odd0 = (row_bytes - d) // 16, 8 * pitch(row_bytes) + row_bytes % 16
+    pieces = []
+    for i in range(here * n16):
+        r = i // n16
+        at = (0 if r % 2 == 0 else d) + 16 * (i - r * n16)
+        pieces.append(((0 if r % 2 == 0 else odd0) + (r // 2) * p + at, r * row_bytes + at, 16))
+    if d != 0:
+        for r in range(here):
+            at = row_bytes - 8 if r % 2 == 0 else 0
+            pieces.append(((0 if r % 2 == 0 else odd0) + (r // 2) * p + at, r * row_bytes + at, 8))
+    return pieces
+
+
+def place(tile: np.ndarray, here: int, row_bytes: int, layout: int):
+    """A block's shared memory as the kernel fills it, the bases of the MMA's rows g and g + 8, and the
+    block's rows they are (layouts 0 / 1: g, g + 8; 2: 2 g, 2 g + 1)."""
+    g = np.arange(8)
+    if layout == 2:
+        smem = np.zeros(smem_bytes(row_bytes, 2), np.uint8)
+        for dst, src, size in copy_sets(row_bytes, here):
+            smem[dst : dst + size] = tile[src : src + size]
+        p = pitch(row_bytes)
+        return smem, g * p, 8 * p + row_bytes % 16 + g * p, (2 * g, 2 * g + 1)
+    smem = np.zeros(smem_bytes(row_bytes, layout), np.uint8)
+    smem[: here * row_bytes] = tile[: here * row_bytes]
+    return smem, g * row_bytes, (g + 8) * row_bytes, (g, g + 8)
+
+
+def wavefronts(offsets: np.ndarray) -> int:
+    """Shared-memory wavefronts of one load instruction: the most distinct words any of the 32 banks
+    holds among the lanes' words (the same word in several lanes is one read)."""
+    banks: dict[int, set[int]] = {}
+    for w in (np.asarray(offsets) // 4).tolist():
+        banks.setdefault(w % 32, set()).add(w)
+    return max(len(v) for v in banks.values())
+
+
 def vsubss4_20(x: np.ndarray) -> np.ndarray:
     """__vsubss4(x, 0x20202020) as 4 int8 lanes (values 0..63, no saturation): the kernel's unpacking
     before patch 0036, kept here as the reference for its replacement."""
@@ -89,8 +160,17 @@ def q6_4x_less32(lo_word: np.ndarray, hf: np.ndarray, nib: int, q: int) -> np.nd
     return int8_lanes(lo | ((hf << (6 - 2 * q)) & 0xC0C0C0C0))
 
 
-def emulate(w: np.ndarray, yq: np.ndarray, yd: np.ndarray, rows: int, k: int) -> np.ndarray:
-    """mc_mmq_q6_K over every block of 16 rows: returns dst [ncols, rows]."""
+def emulate(
+    w: np.ndarray,
+    yq: np.ndarray,
+    yd: np.ndarray,
+    rows: int,
+    k: int,
+    layout: int = 0,
+    trace: list | None = None,
+) -> np.ndarray:
+    """mc_mmq_q6_K<NT, FRAG, L> over every block of 16 rows: returns dst [ncols, rows]. layout: the
+    MC_MMQ_Q6K_LAYOUT asked for (lowered as mc_q6km_layout does); trace: the shared loads' offsets."""
     ncols = yq.shape[0]
     nt_count = 1 if ncols <= 8 else 2
     nblocks = k // 256
@@ -98,32 +178,44 @@ def emulate(w: np.ndarray, yq: np.ndarray, yd: np.ndarray, rows: int, k: int) ->
     dst = np.full((ncols, rows), np.nan)
     lane = np.arange(32)
     g, t = lane // 4, lane % 4
+    layout = layout_for(layout, row_bytes)
     for row0 in range(0, rows, ROWS):
         here = min(ROWS, rows - row0)
-        span = np.zeros(ROWS * row_bytes, np.uint8)  # rows past a partial tile: left as they are (zeros)
-        span[: here * row_bytes] = w[row0 : row0 + here].reshape(-1)
+        tile = np.zeros(ROWS * row_bytes, np.uint8)  # rows past a partial tile: left as they are (zeros)
+        tile[: here * row_bytes] = w[row0 : row0 + here].reshape(-1)
+        span, base_a, base_b, (row_a, row_b) = place(tile, here, row_bytes, layout)
         red = np.zeros((WARPS, 8 * nt_count, ROWS))
         for warp in range(WARPS):
             acc = np.zeros((nt_count, 32, 4))
+            al = layout >= 1 and warp % 2 == 0  # warps 0 and 2: their blocks start on a word
             for kb in range(warp, nblocks, WARPS):
-                pa = g * row_bytes + kb * BLOCK
-                pb = (g + 8) * row_bytes + kb * BLOCK
+                pa = base_a[g] + kb * BLOCK
+                pb = base_b[g] + kb * BLOCK
                 isum = np.zeros((nt_count, 32, 4), np.int64)
+                # the 16 int8 sub-block scales of each row, as 4 words (once a block)
+                sca = [q6km_ld(span, pa + 192 + 4 * i, al, trace) for i in range(4)]
+                scb = [q6km_ld(span, pb + 192 + 4 * i, al, trace) for i in range(4)]
                 for h in range(2):
                     for is_ in range(2):
                         l_ = 16 * is_ + 4 * t
-                        la = [lds_b2(span, pa + h * 64 + l_), lds_b2(span, pa + h * 64 + 32 + l_)]
-                        lb = [lds_b2(span, pb + h * 64 + l_), lds_b2(span, pb + h * 64 + 32 + l_)]
-                        hfa = lds_b2(span, pa + 128 + h * 32 + l_) ^ 0xAAAAAAAA
-                        hfb = lds_b2(span, pb + 128 + h * 32 + l_) ^ 0xAAAAAAAA
+                        la = [
+                            q6km_ld(span, pa + h * 64 + l_, al, trace),
+                            q6km_ld(span, pa + h * 64 + 32 + l_, al, trace),
+                        ]
+                        lb = [
+                            q6km_ld(span, pb + h * 64 + l_, al, trace),
+                            q6km_ld(span, pb + h * 64 + 32 + l_, al, trace),
+                        ]
+                        hfa = q6km_ld(span, pa + 128 + h * 32 + l_, al, trace) ^ 0xAAAAAAAA
+                        hfb = q6km_ld(span, pb + 128 + h * 32 + l_, al, trace) ^ 0xAAAAAAAA
                         for q in range(4):
                             s = 8 * h + 2 * q + is_
                             # patch 0036: 4 (x - 32), word q & 1, nibble q >> 1 (the sums 4x, d / 4 below)
                             a0 = q6_4x_less32(la[q & 1], hfa, q >> 1, q)
                             a1 = q6_4x_less32(lb[q & 1], hfb, q >> 1, q)
-                            # the scales as 4 words a row, byte s % 4 of word s / 4, sign-extended
-                            sa = (lds_b2(span, pa + 192 + 4 * (s // 4)) >> (8 * (s % 4))) & 255
-                            sb = (lds_b2(span, pb + 192 + 4 * (s // 4)) >> (8 * (s % 4))) & 255
+                            # the scales: byte s % 4 of word s / 4, sign-extended
+                            sa = (sca[s // 4] >> (8 * (s % 4))) & 255
+                            sb = (scb[s // 4] >> (8 * (s % 4))) & 255
                             sa, sb = sa - 256 * (sa >= 128), sb - 256 * (sb >= 128)
                             # the fragments as matrices: A[16 x 16] from (a0, a1), B[16 x 8] per column tile
                             A = np.zeros((16, 16), np.int64)
@@ -151,7 +243,7 @@ def emulate(w: np.ndarray, yq: np.ndarray, yd: np.ndarray, rows: int, k: int) ->
                     acc[nt, :, 3] += isum[nt, :, 3] * (db * d1)
             for nt in range(nt_count):
                 for i in range(4):
-                    r = g + 8 * (i // 2)
+                    r = (row_a if i < 2 else row_b)[g]  # the block's row of the MMA's row g or g + 8
                     c = nt * 8 + 2 * t + i % 2
                     red[warp, c, r] = acc[nt, :, i]
         for c in range(ncols):
@@ -165,7 +257,7 @@ def test_q6km_emulation_matches_dequantized_product(rows, k, ncols):
     w = q6_k_rows(rng, rows, k)
     x = rng.standard_normal((ncols, k)).astype(np.float32)
     yq, yd = quantize(x)
-    got = emulate(w, yq, yd, rows, k)
+    got = emulate(w, yq, yd, rows, k, layout=2)
     y_deq = yq.astype(np.float64).reshape(ncols, k // 256, 256) * yd.astype(np.float64)[:, :, None]
     want = y_deq.reshape(ncols, k) @ dequant(w, rows, k).T
     assert np.all(np.isfinite(got))
@@ -270,8 +362,8 @@ def test_the_kernel_unpacks_as_emulated(patched):
     block = mc.index("static __device__ __forceinline__ void mc_q6km_block(")
     body = mc[block : mc.index("\n}\n", block)]
     for text in [
-        "mc_lds_b2((const char *) ba->qh + h * 32 + l) ^ 0xAAAAAAAAu;",
-        "mc_lds_b2((const char *) bb->qh + h * 32 + l) ^ 0xAAAAAAAAu;",
+        "mc_q6km_ld<AL>((const char *) ba->qh + h * 32 + l) ^ 0xAAAAAAAAu;",
+        "mc_q6km_ld<AL>((const char *) bb->qh + h * 32 + l) ^ 0xAAAAAAAAu;",
         "const int a0 = q == 0 ? mc_q6_4x_less32<0, 0>(la[0], hfa) :",
         "q == 1 ? mc_q6_4x_less32<0, 1>(la[1], hfa) :",
         "q == 2 ? mc_q6_4x_less32<1, 2>(la[0], hfa) :",
@@ -285,3 +377,101 @@ def test_the_kernel_unpacks_as_emulated(patched):
     ]:
         assert text in body, text
     assert "__vsubss4" not in body
+
+
+@pytest.mark.parametrize(
+    ("rows", "k", "ncols", "layouts"),
+    [
+        (40, 1024, 16, (0, 1, 2)),  # row_bytes 840: 8 mod 16, every layout; a partial tile of 8 rows
+        (21, 2048, 9, (0, 1, 2)),  # 1,680: a multiple of 16 (no 8-byte pieces); a partial tile of 5
+        (32, 512, 12, (0, 1)),  # 420: 4 mod 16, layout 2 falls back to 1
+        (19, 768, 3, (0,)),  # 630: 2 mod 4, every layout falls back to 0
+    ],
+)
+def test_every_layout_gives_the_same_sums(rows, k, ncols, layouts):
+    """Patch 0037 (MC_MMQ_Q6K_LAYOUT): the rows read from the span with 32-bit loads (1) or from the two
+    padded sets (2) give the same outputs as the span with 16-bit loads (0), to the bit: the same words,
+    sums and order; the layout each matrix gets is the one its row_bytes allows."""
+    rng = np.random.default_rng(k + rows)
+    w = q6_k_rows(rng, rows, k)
+    yq, yd = quantize(rng.standard_normal((ncols, k)).astype(np.float32))
+    row_bytes = k // 256 * BLOCK
+    assert sorted({layout_for(r, row_bytes) for r in (0, 1, 2)}) == list(layouts)
+    base = emulate(w, yq, yd, rows, k, layout=0)
+    for layout in (1, 2):
+        assert np.array_equal(emulate(w, yq, yd, rows, k, layout=layout), base), layout
+    want = yq.astype(np.float64).reshape(ncols, k // 256, 256) * yd.astype(np.float64)[:, :, None]
+    np.testing.assert_allclose(
+        base, want.reshape(ncols, k) @ dequant(w, rows, k).T, rtol=1e-9, atol=1e-9 * 50
+    )
+
+
+@pytest.mark.parametrize("k", [1024, 2048, 5120, 7168])
+@pytest.mark.parametrize("here", [16, 9, 1])
+def test_the_two_sets_copy_every_byte_once_with_aligned_pieces(k, here):
+    """mc_q6km_copy_sets: every piece's source (the tile starts 16-byte aligned: row0 is a multiple of
+    16, the weights 16-byte aligned) and destination aligned to its size (16 or 8: cp.async's rule),
+    inside the block's shared memory; every byte of the tile's rows copied once, to its set's row at the
+    same offset; nothing else written (rows past a partial tile left alone)."""
+    row_bytes = k // 256 * BLOCK
+    assert layout_for(2, row_bytes) == 2
+    p = pitch(row_bytes)
+    assert p % 16 == 0 and (p // 16) % 2 == 1 and p >= row_bytes
+    size = smem_bytes(row_bytes, 2)
+    written = np.zeros(size, np.int64)
+    src_of = np.full(size, -1, np.int64)
+    for dst, src, n in copy_sets(row_bytes, here):
+        assert n in (8, 16) and dst % n == 0 and src % n == 0, (dst, src, n)
+        assert dst >= 0 and dst + n <= size and src + n <= here * row_bytes
+        written[dst : dst + n] += 1
+        src_of[dst : dst + n] = np.arange(src, src + n)
+    assert written.max() == 1
+    odd0 = 8 * p + row_bytes % 16
+    for r in range(here):
+        at = (0 if r % 2 == 0 else odd0) + (r // 2) * p
+        assert np.array_equal(src_of[at : at + row_bytes], r * row_bytes + np.arange(row_bytes)), r
+    assert written.sum() == here * row_bytes
+
+
+def test_the_two_sets_read_without_bank_conflicts_at_the_27b_shape():
+    """The 27B's output matrix (K = 5,120: 4,200-byte rows): every shared load of the block's loop in
+    layout 2 is one wavefront (8 rows x 4 consecutive words in 32 distinct banks), where the span (layout
+    0) takes 1.75 on average (rows g and g + 5 or g + 6 on the same banks), which ncu measured on the
+    H200 (36.0 M wavefronts for 21.0 M loads: 1.71); and layouts 1 / 2 issue a quarter fewer loads (warps
+    0 and 2 one 32-bit load a word instead of two 16-bit ones)."""
+    rng = np.random.default_rng(5120)
+    rows, k, ncols = 16, 5120, 16
+    w = q6_k_rows(rng, rows, k)
+    yq, yd = quantize(rng.standard_normal((ncols, k)).astype(np.float32))
+    counts = {}
+    for layout in (0, 1, 2):
+        trace: list = []
+        emulate(w, yq, yd, rows, k, layout=layout, trace=trace)
+        counts[layout] = (len(trace), sum(wavefronts(o) for o in trace))
+    loads0, waves0 = counts[0]
+    assert waves0 / loads0 == pytest.approx(1.75)
+    assert counts[1][0] == counts[2][0] == loads0 * 3 // 4
+    assert counts[1][1] / counts[1][0] == pytest.approx(1.75)
+    assert counts[2][1] == counts[2][0]  # one wavefront each
+
+
+def test_the_kernel_places_and_reads_the_rows_as_emulated(patched):
+    """The source's layout code matches the emulation: the pitch, the shared-memory size, the layout's
+    lowering, the two sets' copy, the MMA rows' bases and block rows, the 32-bit loads for even warps."""
+    mc = (patched / "ggml" / "src" / "ggml-cuda" / "mc-mmv.cu").read_text()
+    for text in [
+        "return 16 * (p16 % 2 == 1 ? p16 : p16 + 1);",
+        "layout == 2 ? 15 * mc_q6km_pitch(row_bytes) + row_bytes % 16 + row_bytes :",
+        "return v == 2 && row_bytes % 8 == 0 ? 2 : v >= 1 && row_bytes % 4 == 0 ? 1 : 0;",
+        "const int64_t at = (r % 2 == 0 ? 0 : d) + 16 * (int64_t) (i - r * n16);",
+        "mc_copy16(smem + (r % 2 == 0 ? 0 : odd0) + (r / 2) * pitch + at, src + r * row_bytes + at);",
+        "const int64_t at = r % 2 == 0 ? row_bytes - 8 : 0;",
+        "mc_copy8(smem + (r % 2 == 0 ? 0 : odd0) + (r / 2) * pitch + at, src + r * row_bytes + at);",
+        "const char *  ra    = mc_smem + g * pitch;",
+        "rb    = L == 2 ? mc_smem + 8 * pitch + row_bytes % 16 + g * pitch : mc_smem + (g + 8) * pitch;",
+        "if (L >= 1 && warp % 2 == 0) {",
+        "const int r = L == 2 ? 2 * g + i / 2 : g + 8 * (i / 2);  // the block's row",
+    ]:
+        assert text in mc, text
+    block = mc.index("static __device__ __forceinline__ void mc_q6km_block(")
+    assert "mc_lds_b2(" not in mc[block : mc.index("\n}\n", block)]
