@@ -123,7 +123,7 @@ static __global__ void lab_fill_q6_K(block_q6_K * w, const int64_t nblocks, cons
 // 0016's mc_mmq_q6_K on the 27B's 248,320 x 5,120 output matrix (1.04 GB, random blocks), its activations
 // quantized once (mc_q6km_quantize), the kernel's attributes as the library sets them
 // (mc_q6km_attributes: MC_MMQ_Q6K_CARVEOUT, patch 0033) and its form as the library picks it
-// (MC_MMQ_Q6K_FRAG, MC_MMQ_Q6K_LAYOUT of patch 0037: mc_q6km_frag, mc_q6km_layout, mc_q6km_smem);
+// (MC_MMQ_Q6K_FRAG, MC_MMQ_Q6K_LAYOUT of patch 0037: mc_q6km_frag, mc_q6km_layout; mc_q6km_smem);
 // REPEATS launches timed by events (no PDL), then the same lines as a step ("group" out_q6k, its
 // checksum). host: MC_LAB_Q6K_HOST (0: the device output alone, 1: a copy to page-locked host memory
 // after each launch, 2: the kernel writes the host memory too; the checksum is then the host memory's)
@@ -156,7 +156,7 @@ static int lab_q6k_form(const int repeats, const int ncols, const int host) {
     LAB_CHECK(cudaGetLastError());
     mc_q6km_attributes<2, FRAG, L>(dev);
     const auto   kernel = mc_mmq_q6_K<2, FRAG, L>;
-    const size_t smem   = mc_q6km_smem(row_bytes, L);
+    const size_t smem   = mc_q6km_smem(row_bytes);
     int          occupancy = 0;
     LAB_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, kernel, MC_MMQ_THREADS, smem));
     const dim3 grid((unsigned) (nrows / MC_Q6KM_ROWS));
@@ -192,13 +192,9 @@ static int lab_q6k_form(const int repeats, const int ncols, const int host) {
 static int lab_q6k(const int repeats, const int ncols, const int host) {
     const int layout = mc_q6km_layout((5120 / QK_K) * (int64_t) sizeof(block_q6_K));
     if (mc_q6km_frag()) {
-        return layout == 2 ? lab_q6k_form<true, 2>(repeats, ncols, host) :
-               layout == 1 ? lab_q6k_form<true, 1>(repeats, ncols, host) :
-                             lab_q6k_form<true, 0>(repeats, ncols, host);
+        return layout == 1 ? lab_q6k_form<true, 1>(repeats, ncols, host) : lab_q6k_form<true, 0>(repeats, ncols, host);
     }
-    return layout == 2 ? lab_q6k_form<false, 2>(repeats, ncols, host) :
-           layout == 1 ? lab_q6k_form<false, 1>(repeats, ncols, host) :
-                         lab_q6k_form<false, 0>(repeats, ncols, host);
+    return layout == 1 ? lab_q6k_form<false, 1>(repeats, ncols, host) : lab_q6k_form<false, 0>(repeats, ncols, host);
 }
 
 // one column of f32 activations to q8_1 (a warp a block of 32: d = max |x| / 127, s = d * sum of q)

@@ -79,55 +79,19 @@ def q6km_ld(span: np.ndarray, off, al: bool, trace: list | None = None) -> np.nd
     return lds_b2(span, off)
 
 
-def pitch(row_bytes: int) -> int:
-    """mc_q6km_pitch: row_bytes rounded up to 16 bytes, P / 16 odd."""
-    p16 = (row_bytes + 15) // 16
-    return 16 * (p16 if p16 % 2 == 1 else p16 + 1)
-
-
-def smem_bytes(row_bytes: int, layout: int) -> int:
-    """mc_q6km_smem: the rows (layout 2: two sets at the pitch), at least the warps' sums."""
-    rows = 15 * pitch(row_bytes) + row_bytes % 16 + row_bytes if layout == 2 else ROWS * row_bytes
-    return max(rows, WARPS * 16 * ROWS * 4)
-
-
 def layout_for(requested: int, row_bytes: int) -> int:
-    """mc_q6km_layout: 2 needs row_bytes % 8 == 0, 1 row_bytes % 4 == 0, else the next lower."""
-    if requested == 2 and row_bytes % 8 == 0:
-        return 2
-    return 1 if requested >= 1 and row_bytes % 4 == 0 else 0
+    """mc_q6km_layout: 1 (32-bit loads for the warps whose blocks start on a word) needs row_bytes % 4 == 0,
+    else 0."""
+    return 1 if requested == 1 and row_bytes % 4 == 0 else 0
 
 
-def copy_sets(row_bytes: int, here: int) -> list[tuple[int, int, int]]:
-    """mc_q6km_copy_sets' pieces as (shared-memory offset, offset from the tile's first row, bytes), in
-    the kernel's order (the threads' loop flattened)."""
-    p, d = pitch(row_bytes), row_bytes % 16
-    n16, odd0 = (row_bytes - d) // 16, 8 * pitch(row_bytes) + row_bytes % 16
-    pieces = []
-    for i in range(here * n16):
-        r = i // n16
-        at = (0 if r % 2 == 0 else d) + 16 * (i - r * n16)
-        pieces.append(((0 if r % 2 == 0 else odd0) + (r // 2) * p + at, r * row_bytes + at, 16))
-    if d != 0:
-        for r in range(here):
-            at = row_bytes - 8 if r % 2 == 0 else 0
-            pieces.append(((0 if r % 2 == 0 else odd0) + (r // 2) * p + at, r * row_bytes + at, 8))
-    return pieces
-
-
-def place(tile: np.ndarray, here: int, row_bytes: int, layout: int):
-    """A block's shared memory as the kernel fills it, the bases of the MMA's rows g and g + 8, and the
-    block's rows they are (layouts 0 / 1: g, g + 8; 2: 2 g, 2 g + 1)."""
+def place(tile: np.ndarray, here: int, row_bytes: int):
+    """A block's shared memory as the kernel fills it (the span, and at least the warps' sums), and the
+    bases of the MMA's rows g and g + 8 (the block's rows g and g + 8)."""
     g = np.arange(8)
-    if layout == 2:
-        smem = np.zeros(smem_bytes(row_bytes, 2), np.uint8)
-        for dst, src, size in copy_sets(row_bytes, here):
-            smem[dst : dst + size] = tile[src : src + size]
-        p = pitch(row_bytes)
-        return smem, g * p, 8 * p + row_bytes % 16 + g * p, (2 * g, 2 * g + 1)
-    smem = np.zeros(smem_bytes(row_bytes, layout), np.uint8)
+    smem = np.zeros(max(ROWS * row_bytes, WARPS * 16 * ROWS * 4), np.uint8)
     smem[: here * row_bytes] = tile[: here * row_bytes]
-    return smem, g * row_bytes, (g + 8) * row_bytes, (g, g + 8)
+    return smem, g * row_bytes, (g + 8) * row_bytes
 
 
 def wavefronts(offsets: np.ndarray) -> int:
@@ -183,11 +147,11 @@ def emulate(
         here = min(ROWS, rows - row0)
         tile = np.zeros(ROWS * row_bytes, np.uint8)  # rows past a partial tile: left as they are (zeros)
         tile[: here * row_bytes] = w[row0 : row0 + here].reshape(-1)
-        span, base_a, base_b, (row_a, row_b) = place(tile, here, row_bytes, layout)
+        span, base_a, base_b = place(tile, here, row_bytes)
         red = np.zeros((WARPS, 8 * nt_count, ROWS))
         for warp in range(WARPS):
             acc = np.zeros((nt_count, 32, 4))
-            al = layout >= 1 and warp % 2 == 0  # warps 0 and 2: their blocks start on a word
+            al = layout == 1 and warp % 2 == 0  # warps 0 and 2: their blocks start on a word
             for kb in range(warp, nblocks, WARPS):
                 pa = base_a[g] + kb * BLOCK
                 pb = base_b[g] + kb * BLOCK
@@ -243,7 +207,7 @@ def emulate(
                     acc[nt, :, 3] += isum[nt, :, 3] * (db * d1)
             for nt in range(nt_count):
                 for i in range(4):
-                    r = (row_a if i < 2 else row_b)[g]  # the block's row of the MMA's row g or g + 8
+                    r = g + 8 * (i // 2)
                     c = nt * 8 + 2 * t + i % 2
                     red[warp, c, r] = acc[nt, :, i]
         for c in range(ncols):
@@ -257,7 +221,7 @@ def test_q6km_emulation_matches_dequantized_product(rows, k, ncols):
     w = q6_k_rows(rng, rows, k)
     x = rng.standard_normal((ncols, k)).astype(np.float32)
     yq, yd = quantize(x)
-    got = emulate(w, yq, yd, rows, k, layout=2)
+    got = emulate(w, yq, yd, rows, k, layout=1)
     y_deq = yq.astype(np.float64).reshape(ncols, k // 256, 256) * yd.astype(np.float64)[:, :, None]
     want = y_deq.reshape(ncols, k) @ dequant(w, rows, k).T
     assert np.all(np.isfinite(got))
@@ -382,96 +346,66 @@ def test_the_kernel_unpacks_as_emulated(patched):
 @pytest.mark.parametrize(
     ("rows", "k", "ncols", "layouts"),
     [
-        (40, 1024, 16, (0, 1, 2)),  # row_bytes 840: 8 mod 16, every layout; a partial tile of 8 rows
-        (21, 2048, 9, (0, 1, 2)),  # 1,680: a multiple of 16 (no 8-byte pieces); a partial tile of 5
-        (32, 512, 12, (0, 1)),  # 420: 4 mod 16, layout 2 falls back to 1
-        (19, 768, 3, (0,)),  # 630: 2 mod 4, every layout falls back to 0
+        (40, 1024, 16, (0, 1)),  # row_bytes 840; a partial tile of 8 rows
+        (21, 2048, 9, (0, 1)),  # 1,680; a partial tile of 5
+        (32, 512, 12, (0, 1)),  # 420
+        (19, 768, 3, (0,)),  # 630: 2 mod 4, layout 1 falls back to 0
     ],
 )
-def test_every_layout_gives_the_same_sums(rows, k, ncols, layouts):
-    """Patch 0037 (MC_MMQ_Q6K_LAYOUT): the rows read from the span with 32-bit loads (1) or from the two
-    padded sets (2) give the same outputs as the span with 16-bit loads (0), to the bit: the same words,
-    sums and order; the layout each matrix gets is the one its row_bytes allows."""
+def test_both_layouts_give_the_same_sums(rows, k, ncols, layouts):
+    """Patch 0037 (MC_MMQ_Q6K_LAYOUT): the rows read with 32-bit loads where their blocks start on a word
+    (1) give the same outputs as with 16-bit loads (0), to the bit (the same words, sums and order;
+    every 32-bit load's offset is checked to be a word's); the layout each matrix gets is the one its
+    row_bytes allows."""
     rng = np.random.default_rng(k + rows)
     w = q6_k_rows(rng, rows, k)
     yq, yd = quantize(rng.standard_normal((ncols, k)).astype(np.float32))
     row_bytes = k // 256 * BLOCK
-    assert sorted({layout_for(r, row_bytes) for r in (0, 1, 2)}) == list(layouts)
+    assert sorted({layout_for(r, row_bytes) for r in (0, 1)}) == list(layouts)
     base = emulate(w, yq, yd, rows, k, layout=0)
-    for layout in (1, 2):
-        assert np.array_equal(emulate(w, yq, yd, rows, k, layout=layout), base), layout
+    assert np.array_equal(emulate(w, yq, yd, rows, k, layout=1), base)
     want = yq.astype(np.float64).reshape(ncols, k // 256, 256) * yd.astype(np.float64)[:, :, None]
     np.testing.assert_allclose(
         base, want.reshape(ncols, k) @ dequant(w, rows, k).T, rtol=1e-9, atol=1e-9 * 50
     )
 
 
-@pytest.mark.parametrize("k", [1024, 2048, 5120, 7168])
-@pytest.mark.parametrize("here", [16, 9, 1])
-def test_the_two_sets_copy_every_byte_once_with_aligned_pieces(k, here):
-    """mc_q6km_copy_sets: every piece's source (the tile starts 16-byte aligned: row0 is a multiple of
-    16, the weights 16-byte aligned) and destination aligned to its size (16 or 8: cp.async's rule),
-    inside the block's shared memory; every byte of the tile's rows copied once, to its set's row at the
-    same offset; nothing else written (rows past a partial tile left alone)."""
-    row_bytes = k // 256 * BLOCK
-    assert layout_for(2, row_bytes) == 2
-    p = pitch(row_bytes)
-    assert p % 16 == 0 and (p // 16) % 2 == 1 and p >= row_bytes
-    size = smem_bytes(row_bytes, 2)
-    written = np.zeros(size, np.int64)
-    src_of = np.full(size, -1, np.int64)
-    for dst, src, n in copy_sets(row_bytes, here):
-        assert n in (8, 16) and dst % n == 0 and src % n == 0, (dst, src, n)
-        assert dst >= 0 and dst + n <= size and src + n <= here * row_bytes
-        written[dst : dst + n] += 1
-        src_of[dst : dst + n] = np.arange(src, src + n)
-    assert written.max() == 1
-    odd0 = 8 * p + row_bytes % 16
-    for r in range(here):
-        at = (0 if r % 2 == 0 else odd0) + (r // 2) * p
-        assert np.array_equal(src_of[at : at + row_bytes], r * row_bytes + np.arange(row_bytes)), r
-    assert written.sum() == here * row_bytes
-
-
-def test_the_two_sets_read_without_bank_conflicts_at_the_27b_shape():
-    """The 27B's output matrix (K = 5,120: 4,200-byte rows): every shared load of the block's loop in
-    layout 2 is one wavefront (8 rows x 4 consecutive words in 32 distinct banks), where the span (layout
-    0) takes 1.75 on average (rows g and g + 5 or g + 6 on the same banks), which ncu measured on the
-    H200 (36.0 M wavefronts for 21.0 M loads: 1.71); and layouts 1 / 2 issue a quarter fewer loads (warps
-    0 and 2 one 32-bit load a word instead of two 16-bit ones)."""
+def test_word_loads_issue_a_quarter_fewer_loads_at_the_27b_shape():
+    """The 27B's output matrix (K = 5,120: 4,200-byte rows): with layout 1 warps 0 and 2 load each word
+    once instead of as two halves, a quarter fewer shared loads for the block. Their banks stay as they
+    were: the span's 4,200-byte pitch (26 banks) puts rows g and g + 5 (or g + 6) on the same banks,
+    1.75 wavefronts a load, as ncu measured on the H200 (36.0 M wavefronts for 21.0 M loads: 1.71). The
+    form without those conflicts (two sets of rows at a padded pitch) measured slower (run AZ, +7.6%) and
+    was taken out."""
     rng = np.random.default_rng(5120)
     rows, k, ncols = 16, 5120, 16
     w = q6_k_rows(rng, rows, k)
     yq, yd = quantize(rng.standard_normal((ncols, k)).astype(np.float32))
     counts = {}
-    for layout in (0, 1, 2):
+    for layout in (0, 1):
         trace: list = []
         emulate(w, yq, yd, rows, k, layout=layout, trace=trace)
         counts[layout] = (len(trace), sum(wavefronts(o) for o in trace))
-    loads0, waves0 = counts[0]
-    assert waves0 / loads0 == pytest.approx(1.75)
-    assert counts[1][0] == counts[2][0] == loads0 * 3 // 4
-    assert counts[1][1] / counts[1][0] == pytest.approx(1.75)
-    assert counts[2][1] == counts[2][0]  # one wavefront each
+    (loads0, waves0), (loads1, waves1) = counts[0], counts[1]
+    assert loads1 == loads0 * 3 // 4
+    assert waves0 / loads0 == pytest.approx(1.75) and waves1 / loads1 == pytest.approx(1.75)
 
 
-def test_the_kernel_places_and_reads_the_rows_as_emulated(patched):
-    """The source's layout code matches the emulation: the pitch, the shared-memory size, the layout's
-    lowering, the two sets' copy, the MMA rows' bases and block rows, the 32-bit loads for even warps."""
+def test_the_kernel_reads_words_as_emulated(patched):
+    """The source's layout code matches the emulation: the lowering, the span's size (shared with the
+    mmr lab), the 32-bit loads for warps 0 and 2 only with layout 1, none of mc_lds_b2 left in the block."""
     mc = (patched / "ggml" / "src" / "ggml-cuda" / "mc-mmv.cu").read_text()
     for text in [
-        "return 16 * (p16 % 2 == 1 ? p16 : p16 + 1);",
-        "layout == 2 ? 15 * mc_q6km_pitch(row_bytes) + row_bytes % 16 + row_bytes :",
-        "return v == 2 && row_bytes % 8 == 0 ? 2 : v >= 1 && row_bytes % 4 == 0 ? 1 : 0;",
-        "const int64_t at = (r % 2 == 0 ? 0 : d) + 16 * (int64_t) (i - r * n16);",
-        "mc_copy16(smem + (r % 2 == 0 ? 0 : odd0) + (r / 2) * pitch + at, src + r * row_bytes + at);",
-        "const int64_t at = r % 2 == 0 ? row_bytes - 8 : 0;",
-        "mc_copy8(smem + (r % 2 == 0 ? 0 : odd0) + (r / 2) * pitch + at, src + r * row_bytes + at);",
-        "const char *  ra    = mc_smem + g * pitch;",
-        "rb    = L == 2 ? mc_smem + 8 * pitch + row_bytes % 16 + g * pitch : mc_smem + (g + 8) * pitch;",
-        "if (L >= 1 && warp % 2 == 0) {",
-        "const int r = L == 2 ? 2 * g + i / 2 : g + 8 * (i / 2);  // the block's row",
+        'static const int v = mc_env_int("MC_MMQ_Q6K_LAYOUT", 0, 1, 1);',
+        "return v == 1 && row_bytes % 4 == 0 ? 1 : 0;",
+        "return std::max((size_t) MC_Q6KM_ROWS * row_bytes, (size_t) MC_MMQ_WARPS * 16 * MC_Q6KM_ROWS * "
+        "sizeof(float));",
+        "if (L == 1 && warp % 2 == 0) {",
+        "mc_q6km_warp<NT, FRAG, L == 1>(acc, ra, rb, yq, yd, ncols, nblocks, warp, g, t);",
+        "mc_q6km_warp<NT, FRAG, false>(acc, ra, rb, yq, yd, ncols, nblocks, warp, g, t);",
     ]:
         assert text in mc, text
     block = mc.index("static __device__ __forceinline__ void mc_q6km_block(")
     assert "mc_lds_b2(" not in mc[block : mc.index("\n}\n", block)]
+    ld = mc.index("static __device__ __forceinline__ int mc_q6km_ld(")
+    assert "return *(const int *) p;" in mc[ld : mc.index("\n}\n", ld)]
