@@ -49,3 +49,15 @@ def test_good_draws_pass_the_check(tmp_path):
         res = run(good, tmp_path)
         assert res.returncode == 1 and "no sdist at" in res.stdout, (good, res.stdout, res.stderr)
         assert "MC_SBS_DRAWS" not in res.stdout and "value too great" not in res.stderr
+
+
+def test_the_measuring_program_finds_its_libraries_beside_it():
+    """The generated build script links mc_gpu_bench with the run path $ORIGIN (its own folder, where the
+    build's libraries are copied), so it runs without LD_LIBRARY_PATH. The line is expanded as bash
+    expands it in the script's unquoted here-document (\\$ -> $; '$$ORIGIN' would be a path that does
+    not exist)."""
+    line = next(x for x in SCRIPT.read_text().splitlines() if "-Wl,-rpath," in x)
+    res = subprocess.run(
+        ["bash", "-c", f"cat <<EOF\n{line}\nEOF"], capture_output=True, text=True, timeout=10, check=True
+    )
+    assert "-Wl,-rpath,'$ORIGIN' " in res.stdout, res.stdout
