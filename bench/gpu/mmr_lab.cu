@@ -192,9 +192,13 @@ static int lab_q6k_form(const int repeats, const int ncols, const int host) {
 static int lab_q6k(const int repeats, const int ncols, const int host) {
     const int layout = mc_q6km_layout((5120 / QK_K) * (int64_t) sizeof(block_q6_K));
     if (mc_q6km_frag()) {
-        return layout == 1 ? lab_q6k_form<true, 1>(repeats, ncols, host) : lab_q6k_form<true, 0>(repeats, ncols, host);
+        return layout == 2 ? lab_q6k_form<true, 2>(repeats, ncols, host) :
+               layout == 1 ? lab_q6k_form<true, 1>(repeats, ncols, host) :
+                             lab_q6k_form<true, 0>(repeats, ncols, host);
     }
-    return layout == 1 ? lab_q6k_form<false, 1>(repeats, ncols, host) : lab_q6k_form<false, 0>(repeats, ncols, host);
+    return layout == 2 ? lab_q6k_form<false, 2>(repeats, ncols, host) :
+           layout == 1 ? lab_q6k_form<false, 1>(repeats, ncols, host) :
+                         lab_q6k_form<false, 0>(repeats, ncols, host);
 }
 
 // one column of f32 activations to q8_1 (a warp a block of 32: d = max |x| / 127, s = d * sum of q)

@@ -102,12 +102,13 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     q6k = re.findall(r"Compiling entry function '_Z11mc_mmv_q6_K\w+'.*?Used (\d+) registers", report, re.S)
     assert len(q6k) == 1 and int(q6k[0]) <= 80, q6k
     # Q6_K at 2..16 columns (patch 0016): one and two tiles of 8 columns, each with the activations in
-    # their own order and in the B fragments' (patch 0030, MC_MMQ_Q6K_FRAG), with 16-bit or (where the
-    # blocks start on a word) 32-bit weight loads (patch 0037, MC_MMQ_Q6K_LAYOUT 0 / 1), registers for 3
-    # blocks of 128 threads an SM (65,536 / 384 = 170), and the activations' int8 quantizer in both orders
+    # their own order and in the B fragments' (patch 0030, MC_MMQ_Q6K_FRAG), in patch 0037's three
+    # layouts (MC_MMQ_Q6K_LAYOUT: 16-bit loads, 32-bit where the blocks start on a word, and that with
+    # the even / odd rows), registers for 3 blocks of 128 threads an SM (65,536 / 384 = 170, allocated
+    # in steps of 8), and the activations' int8 quantizer in both orders
     name = r"Compiling entry function '_Z11mc_mmq_q6_KILi(\d)ELb(\d)ELi(\d)EE\w+'.*?Used (\d+) registers"
     q6km = re.findall(name, report, re.S)
-    want = sorted((nt, f, lay) for nt in "12" for f in "01" for lay in "01")
+    want = sorted((nt, f, lay) for nt in "12" for f in "01" for lay in "012")
     assert sorted((nt, f, lay) for nt, f, lay, _ in q6km) == want, q6km
     assert all(int(r) <= 168 for *_, r in q6km), q6km
     assert "Compiling entry function '_Z16mc_q6km_quantizeILb0E" in report
@@ -294,9 +295,10 @@ def test_the_q6k_activations_fragment_order_matches_its_emulation(patched):
     pick = c_body(source, "static bool mc_mmq_q6_K_pick(")
     assert "mc_mmq_q6_K_launch<2, true, L>" in pick and "mc_mmq_q6_K_launch<2, false, L>" in pick
     try_ = c_body(source, "static bool mc_mmq_q6_K_try(")
-    assert "const bool frag = mc_q6km_frag();" in try_
-    assert "mc_q6km_layout(row_bytes) == 1 ? mc_mmq_q6_K_pick<1>(ctx, src0, src1, dst, smem, frag) :" in try_
-    assert "mc_mmq_q6_K_pick<0>(ctx, src0, src1, dst, smem, frag);" in try_
+    assert "const bool frag   = mc_q6km_frag();" in try_
+    assert "const int  layout = mc_q6km_layout(row_bytes);" in try_
+    for layout in "012":
+        assert f"mc_mmq_q6_K_pick<{layout}>(ctx, src0, src1, dst, smem, frag)" in try_
 
 
 def test_the_persistent_one_column_kernel_is_wired_and_falls_back(patched):

@@ -80,18 +80,20 @@ def q6km_ld(span: np.ndarray, off, al: bool, trace: list | None = None) -> np.nd
 
 
 def layout_for(requested: int, row_bytes: int) -> int:
-    """mc_q6km_layout: 1 (32-bit loads for the warps whose blocks start on a word) needs row_bytes % 4 == 0,
-    else 0."""
-    return 1 if requested == 1 and row_bytes % 4 == 0 else 0
+    """mc_q6km_layout: 2 (the MMA's rows on the block's even / odd rows) where row_bytes % 16 == 8, 1 (32-bit
+    loads for the warps whose blocks start on a word) where row_bytes % 4 == 0, else 0."""
+    if requested == 2 and row_bytes % 16 == 8:
+        return 2
+    return 1 if requested >= 1 and row_bytes % 4 == 0 else 0
 
 
-def place(tile: np.ndarray, here: int, row_bytes: int):
+def place(tile: np.ndarray, here: int, row_bytes: int, layout: int):
     """A block's shared memory as the kernel fills it (the span, and at least the warps' sums), and the
-    bases of the MMA's rows g and g + 8 (the block's rows g and g + 8)."""
+    block's rows that are the MMA's rows g and g + 8 (layouts 0 / 1: g and g + 8; 2: 2 g and 2 g + 1)."""
     g = np.arange(8)
     smem = np.zeros(max(ROWS * row_bytes, WARPS * 16 * ROWS * 4), np.uint8)
     smem[: here * row_bytes] = tile[: here * row_bytes]
-    return smem, g * row_bytes, (g + 8) * row_bytes
+    return smem, (2 * g, 2 * g + 1) if layout == 2 else (g, g + 8)
 
 
 def wavefronts(offsets: np.ndarray) -> int:
@@ -147,11 +149,12 @@ def emulate(
         here = min(ROWS, rows - row0)
         tile = np.zeros(ROWS * row_bytes, np.uint8)  # rows past a partial tile: left as they are (zeros)
         tile[: here * row_bytes] = w[row0 : row0 + here].reshape(-1)
-        span, base_a, base_b = place(tile, here, row_bytes)
+        span, (row_a, row_b) = place(tile, here, row_bytes, layout)
+        base_a, base_b = row_a * row_bytes, row_b * row_bytes
         red = np.zeros((WARPS, 8 * nt_count, ROWS))
         for warp in range(WARPS):
             acc = np.zeros((nt_count, 32, 4))
-            al = layout == 1 and warp % 2 == 0  # warps 0 and 2: their blocks start on a word
+            al = layout >= 1 and warp % 2 == 0  # warps 0 and 2: their blocks start on a word
             for kb in range(warp, nblocks, WARPS):
                 pa = base_a[g] + kb * BLOCK
                 pb = base_b[g] + kb * BLOCK
@@ -207,7 +210,7 @@ def emulate(
                     acc[nt, :, 3] += isum[nt, :, 3] * (db * d1)
             for nt in range(nt_count):
                 for i in range(4):
-                    r = g + 8 * (i // 2)
+                    r = (row_a if i < 2 else row_b)[g]  # the block's row of the MMA's row g or g + 8
                     c = nt * 8 + 2 * t + i % 2
                     red[warp, c, r] = acc[nt, :, i]
         for c in range(ncols):
@@ -221,7 +224,7 @@ def test_q6km_emulation_matches_dequantized_product(rows, k, ncols):
     w = q6_k_rows(rng, rows, k)
     x = rng.standard_normal((ncols, k)).astype(np.float32)
     yq, yd = quantize(x)
-    got = emulate(w, yq, yd, rows, k, layout=1)
+    got = emulate(w, yq, yd, rows, k, layout=2)
     y_deq = yq.astype(np.float64).reshape(ncols, k // 256, 256) * yd.astype(np.float64)[:, :, None]
     want = y_deq.reshape(ncols, k) @ dequant(w, rows, k).T
     assert np.all(np.isfinite(got))
@@ -346,62 +349,79 @@ def test_the_kernel_unpacks_as_emulated(patched):
 @pytest.mark.parametrize(
     ("rows", "k", "ncols", "layouts"),
     [
-        (40, 1024, 16, (0, 1)),  # row_bytes 840; a partial tile of 8 rows
-        (21, 2048, 9, (0, 1)),  # 1,680; a partial tile of 5
+        (40, 1024, 16, (0, 1, 2)),  # row_bytes 840: 8 mod 16; a partial tile of 8 rows
+        (21, 2048, 9, (0, 1)),  # 1,680: layout 2 falls back to 1; a partial tile of 5
         (32, 512, 12, (0, 1)),  # 420
-        (19, 768, 3, (0,)),  # 630: 2 mod 4, layout 1 falls back to 0
+        (19, 768, 3, (0,)),  # 630: 2 mod 4, every layout falls back to 0
+        (16, 5120, 16, (0, 1, 2)),  # the 27B's output matrix
     ],
 )
-def test_both_layouts_give_the_same_sums(rows, k, ncols, layouts):
+def test_every_layout_gives_the_same_sums(rows, k, ncols, layouts):
     """Patch 0037 (MC_MMQ_Q6K_LAYOUT): the rows read with 32-bit loads where their blocks start on a word
-    (1) give the same outputs as with 16-bit loads (0), to the bit (the same words, sums and order;
-    every 32-bit load's offset is checked to be a word's); the layout each matrix gets is the one its
-    row_bytes allows."""
+    (1), and with the MMA's rows on the block's even / odd rows (2), give the same outputs as with 16-bit
+    loads (0), to the bit (the same words, sums and order; every 32-bit load's offset is checked to be a
+    word's); the layout each matrix gets is the one its row_bytes allows."""
     rng = np.random.default_rng(k + rows)
     w = q6_k_rows(rng, rows, k)
     yq, yd = quantize(rng.standard_normal((ncols, k)).astype(np.float32))
     row_bytes = k // 256 * BLOCK
-    assert sorted({layout_for(r, row_bytes) for r in (0, 1)}) == list(layouts)
+    assert sorted({layout_for(r, row_bytes) for r in (0, 1, 2)}) == list(layouts)
     base = emulate(w, yq, yd, rows, k, layout=0)
-    assert np.array_equal(emulate(w, yq, yd, rows, k, layout=1), base)
+    for layout in (1, 2):
+        assert np.array_equal(emulate(w, yq, yd, rows, k, layout=layout), base), layout
     want = yq.astype(np.float64).reshape(ncols, k // 256, 256) * yd.astype(np.float64)[:, :, None]
     np.testing.assert_allclose(
         base, want.reshape(ncols, k) @ dequant(w, rows, k).T, rtol=1e-9, atol=1e-9 * 50
     )
 
 
-def test_word_loads_issue_a_quarter_fewer_loads_at_the_27b_shape():
-    """The 27B's output matrix (K = 5,120: 4,200-byte rows): with layout 1 warps 0 and 2 load each word
-    once instead of as two halves, a quarter fewer shared loads for the block. Their banks stay as they
-    were: the span's 4,200-byte pitch (26 banks) puts rows g and g + 5 (or g + 6) on the same banks,
-    1.75 wavefronts a load, as ncu measured on the H200 (36.0 M wavefronts for 21.0 M loads: 1.71). The
-    form without those conflicts (two sets of rows at a padded pitch) measured slower (run AZ, +7.6%) and
-    was taken out."""
+def test_word_loads_and_the_even_odd_rows_at_the_27b_shape():
+    """The 27B's output matrix (K = 5,120: 4,200-byte rows): with layouts 1 / 2 warps 0 and 2 load each
+    word once instead of as two halves, a quarter fewer shared loads for the block. The span's pitch
+    (1,050 words: 26 banks) puts rows g and g + 5 (or g + 6) on the same banks, 1.75 wavefronts a load
+    for layouts 0 / 1, as ncu measured on the H200 (36.0 M wavefronts for 21.0 M loads: 1.71); layout 2's
+    even rows start on 8 distinct multiples of 4 banks and its odd rows on 8 distinct 2 mod 4: one
+    wavefront each. Pairing rows g and g + 8 as before with the even / odd mapping's pitch rule would not
+    (a mutation below)."""
     rng = np.random.default_rng(5120)
     rows, k, ncols = 16, 5120, 16
     w = q6_k_rows(rng, rows, k)
     yq, yd = quantize(rng.standard_normal((ncols, k)).astype(np.float32))
     counts = {}
-    for layout in (0, 1):
+    for layout in (0, 1, 2):
         trace: list = []
         emulate(w, yq, yd, rows, k, layout=layout, trace=trace)
         counts[layout] = (len(trace), sum(wavefronts(o) for o in trace))
-    (loads0, waves0), (loads1, waves1) = counts[0], counts[1]
-    assert loads1 == loads0 * 3 // 4
+    (loads0, waves0), (loads1, waves1), (loads2, waves2) = counts[0], counts[1], counts[2]
+    assert loads1 == loads2 == loads0 * 3 // 4
     assert waves0 / loads0 == pytest.approx(1.75) and waves1 / loads1 == pytest.approx(1.75)
+    assert waves2 == loads2
+    # the bank groups of one load for each mapping: 8 rows' 4-word groups must not overlap
+    row_words = 5120 // 256 * BLOCK // 4
+    for rows_of_g, distinct in (
+        ((2 * np.arange(8)), True),
+        (2 * np.arange(8) + 1, True),
+        (np.arange(8), False),
+    ):
+        banks = ((rows_of_g * row_words)[:, None] + np.arange(4)) % 32
+        assert (len(set(banks.ravel().tolist())) == 32) == distinct
 
 
 def test_the_kernel_reads_words_as_emulated(patched):
     """The source's layout code matches the emulation: the lowering, the span's size (shared with the
-    mmr lab), the 32-bit loads for warps 0 and 2 only with layout 1, none of mc_lds_b2 left in the block."""
+    mmr lab), the MMA rows' block rows, the 32-bit loads for warps 0 and 2 only with layouts 1 / 2, none
+    of mc_lds_b2 left in the block."""
     mc = (patched / "ggml" / "src" / "ggml-cuda" / "mc-mmv.cu").read_text()
     for text in [
-        'static const int v = mc_env_int("MC_MMQ_Q6K_LAYOUT", 0, 1, 1);',
-        "return v == 1 && row_bytes % 4 == 0 ? 1 : 0;",
+        'static const int v = mc_env_int("MC_MMQ_Q6K_LAYOUT", 0, 2, 1);',
+        "return v == 2 && row_bytes % 16 == 8 ? 2 : v >= 1 && row_bytes % 4 == 0 ? 1 : 0;",
+        "const char * ra = mc_smem + (L == 2 ? 2 * g : g) * row_bytes;",
+        "const char * rb = mc_smem + (L == 2 ? 2 * g + 1 : g + 8) * row_bytes;",
+        "const int r = L == 2 ? 2 * g + i / 2 : g + 8 * (i / 2);  // the block's row",
         "return std::max((size_t) MC_Q6KM_ROWS * row_bytes, (size_t) MC_MMQ_WARPS * 16 * MC_Q6KM_ROWS * "
         "sizeof(float));",
-        "if (L == 1 && warp % 2 == 0) {",
-        "mc_q6km_warp<NT, FRAG, L == 1>(acc, ra, rb, yq, yd, ncols, nblocks, warp, g, t);",
+        "if (L >= 1 && warp % 2 == 0) {",
+        "mc_q6km_warp<NT, FRAG, L >= 1>(acc, ra, rb, yq, yd, ncols, nblocks, warp, g, t);",
         "mc_q6km_warp<NT, FRAG, false>(acc, ra, rb, yq, yd, ncols, nblocks, warp, g, t);",
     ]:
         assert text in mc, text
