@@ -10,7 +10,10 @@ usage (on the GPU machine, after bench/gpu/side_by_side.sh has built the patched
       --setting copies=MC_MMH_REPACK=3 --setting rs5=MC_MMH_REPACK=3,MC_MMR_RS=5 \\
       --measure verify:512:1:1,16 --measure verify:512:12:1 --measure tg:0,4096:64 --json $OUT/warm.json
 
-A setting is NAME=VAR=VALUE[,VAR=VALUE...] (NAME= alone: the defaults). A measure is
+A setting is NAME=VAR=VALUE[,VAR=VALUE...] (NAME= alone: the defaults). A setting's LD_LIBRARY_PATH
+replaces the bench's folder: another build's libraries (e.g. an incremental rebuild without one patch,
+copied to a folder of its own) then run under the same program, so two builds alternate on one
+machine (run AY). A measure is
 verify:DEPTH:SEQS:K[,K...] (ms of one decode of K tokens for each of SEQS sequences) or
 tg:DEPTH[,DEPTH...]:N (tokens/s of single-stream decode). Writes JSON (every draw, mean / min / max,
 and each setting's mean against the first setting's) and prints a table."""

@@ -18,6 +18,8 @@ import json, os, sys
 log = os.environ["FAKE_LOG"]
 with open(log, "a") as f:
     f.write(os.environ.get("MC_X", "-") + " " + " ".join(sys.argv[1:]) + "\\n")
+with open(log + ".lib", "a") as f:
+    f.write(os.environ.get("LD_LIBRARY_PATH", "") + "\\n")
 scale = float(os.environ.get("MC_X", "1"))
 print("loading...")
 if sys.argv[1] == "verify":
@@ -91,3 +93,21 @@ def test_a_failing_program_stops_with_its_error(tmp_path):
               "--setting", "a=", "--measure", "tg:0:64")  # fmt: skip
     assert res.returncode != 0 and "exit 3" in res.stderr and "broken" in res.stderr
     assert not (tmp_path / "o.json").exists()
+
+
+def test_a_setting_can_run_another_builds_libraries(tmp_path):
+    """By default the bench's own folder leads LD_LIBRARY_PATH; a setting's LD_LIBRARY_PATH replaces it,
+    so another build's libraries run under the same program (two builds alternating on one machine)."""
+    bench = fake_bench(tmp_path)
+    res = run(
+        tmp_path,
+        *("--bench", str(bench), "--model", "m.gguf", "--rounds", "1", "--json", str(tmp_path / "w.json")),
+        *("--setting", "here=", "--setting", "other=LD_LIBRARY_PATH=/builds/other"),
+        *(
+            "--measure",
+            "verify:512:1:1",
+        ),
+    )
+    assert res.returncode == 0, res.stderr
+    seen = sorted((tmp_path / "log.lib").read_text().split())
+    assert seen == sorted([str(tmp_path), "/builds/other"]), seen
