@@ -235,11 +235,14 @@ static __global__ void lab_q6k64(const char * vx, const int8_t * yq, const float
 // REPEATS launches timed by events (no PDL), then the same lines as a step ("group" out_q6k, its
 // checksum). host: MC_LAB_Q6K_HOST (0: the device output alone, 1: a copy to page-locked host memory
 // after each launch, 2: the kernel writes the host memory too; the checksum is then the host memory's)
+constexpr int64_t lab_q6k_nrows = 248320, lab_q6k_k = 5120;  // the 27B's output matrix
+constexpr int64_t lab_q6k_row_bytes = lab_q6k_k / QK_K * (int64_t) sizeof(block_q6_K);
+
 template <bool FRAG, int L>
 static int lab_q6k_form(const int repeats, const int ncols, const int host) {
-    constexpr int64_t nrows = 248320, k = 5120;
+    constexpr int64_t nrows     = lab_q6k_nrows, k = lab_q6k_k;
     constexpr int     nblocks   = (int) (k / QK_K);
-    constexpr int64_t row_bytes = nblocks * (int64_t) sizeof(block_q6_K);
+    constexpr int64_t row_bytes = lab_q6k_row_bytes;
     int               dev       = 0;
     LAB_CHECK(cudaGetDevice(&dev));
     char *   w;
@@ -312,7 +315,7 @@ static int lab_q6k_form(const int repeats, const int ncols, const int host) {
 }
 
 static int lab_q6k(const int repeats, const int ncols, const int host) {
-    const int layout = mc_q6km_layout((5120 / QK_K) * (int64_t) sizeof(block_q6_K));
+    const int layout = mc_q6km_layout(lab_q6k_row_bytes);  // as the library picks it for that matrix
     if (mc_q6km_frag()) {
         return layout == 2 ? lab_q6k_form<true, 2>(repeats, ncols, host) :
                layout == 1 ? lab_q6k_form<true, 1>(repeats, ncols, host) :
