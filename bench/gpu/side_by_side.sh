@@ -150,7 +150,7 @@ stage() {  # copy the build's programs and libraries to \$1, and build the measu
   cp -f $S/build/bin/*.so* $S/build/bin/llama-batched-bench \$1/ &&
   { [ ! -f $S/build/bin/test-backend-ops ] || cp -f $S/build/bin/test-backend-ops \$1/; } &&
   g++ -O2 -std=c++17 -I\$L/include -I\$L/ggml/include $S/mc_gpu_bench.cpp -L\$1 -lllama -lggml -lggml-base -ldl \
-    -Wl,-rpath-link,\$1 -Wl,-rpath,'\$ORIGIN' -o \$1/mc_gpu_bench
+    -Wl,-rpath-link,\$1 -Wl,--disable-new-dtags,-rpath,'\$ORIGIN' -o \$1/mc_gpu_bench
 }
 if [ ! -f $S/stock.done ] && [ $BUILD_STOCK = 1 ]; then  # MC_SBS_BUILDS without stock: patched only
   cmake --build $S/build -j \$(nproc) --target $TARGETS_STOCK || exit 1

@@ -51,13 +51,43 @@ def test_good_draws_pass_the_check(tmp_path):
         assert "MC_SBS_DRAWS" not in res.stdout and "value too great" not in res.stderr
 
 
-def test_the_measuring_program_finds_its_libraries_beside_it():
-    """The generated build script links mc_gpu_bench with the run path $ORIGIN (its own folder, where the
-    build's libraries are copied), so it runs without LD_LIBRARY_PATH. The line is expanded as bash
-    expands it in the script's unquoted here-document (\\$ -> $; '$$ORIGIN' would be a path that does
-    not exist)."""
-    line = next(x for x in SCRIPT.read_text().splitlines() if "-Wl,-rpath," in x)
+def _link_line() -> str:
+    """The generated build script's link line for mc_gpu_bench, expanded as bash expands it in the
+    script's unquoted here-document (\\$ -> $)."""
+    line = next(x for x in SCRIPT.read_text().splitlines() if "-rpath," in x)
     res = subprocess.run(
         ["bash", "-c", f"cat <<EOF\n{line}\nEOF"], capture_output=True, text=True, timeout=10, check=True
     )
-    assert "-Wl,-rpath,'$ORIGIN' " in res.stdout, res.stdout
+    return res.stdout
+
+
+def test_the_measuring_program_finds_its_libraries_beside_it(tmp_path):
+    """mc_gpu_bench runs without LD_LIBRARY_PATH from the folder its build's libraries are copied to,
+    also the libraries only libllama needs (libggml.so.0): the build has no run paths of its own
+    (CMAKE_SKIP_BUILD_RPATH), and a run path written as DT_RUNPATH (the linker's default) serves only
+    the program's own direct needs, which is how run BA's calls failed. Checked with the real loader: a
+    program linked with the line's -Wl flags against liba.so, which needs libb.so, both beside it."""
+    flags = [w for w in _link_line().split() if w.startswith("-Wl,") and "rpath-link" not in w]
+    assert "-Wl,--disable-new-dtags,-rpath,'$ORIGIN'" in flags, flags
+    flags = [w.replace("'", "") for w in flags]
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (tmp_path / "b.c").write_text("int b(void) { return 7; }\n")
+    (tmp_path / "a.c").write_text("int b(void);\nint a(void) { return b() * 6; }\n")
+    (tmp_path / "m.c").write_text("int a(void);\nint main(void) { return a() == 42 ? 0 : 1; }\n")
+    cc = ["gcc", "-fPIC"]
+    for name, deps in (("b", []), ("a", [f"-L{lib}", "-lb"])):  # libb first: liba links against it
+        so = f"lib{name}.so.0"
+        src = tmp_path / f"{name}.c"
+        subprocess.run([*cc, "-shared", f"-Wl,-soname,{so}", "-o", lib / so, src, *deps], check=True)
+        (lib / f"lib{name}.so").symlink_to(so)
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    for name, extra in (("with", flags), ("without", ["-Wl,-rpath,$ORIGIN"])):
+        exe = lib / f"m_{name}"
+        link = [f"-L{lib}", "-la", f"-Wl,-rpath-link,{lib}", *extra]
+        subprocess.run([*cc, "-o", exe, tmp_path / "m.c", *link], check=True)
+        res = subprocess.run([exe], capture_output=True, text=True, env=env, timeout=10)
+        if name == "with":
+            assert res.returncode == 0, res.stderr
+        else:  # the old line: the program finds liba but not liba's libb
+            assert res.returncode != 0 and "libb.so.0" in res.stderr, (res.returncode, res.stderr)

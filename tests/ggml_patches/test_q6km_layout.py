@@ -416,7 +416,7 @@ def test_the_kernel_reads_words_as_emulated(patched):
     of mc_lds_b2 left in the block."""
     mc = (patched / "ggml" / "src" / "ggml-cuda" / "mc-mmv.cu").read_text()
     for text in [
-        'static const int v = mc_env_int("MC_MMQ_Q6K_LAYOUT", 0, 2, 1);',
+        'static const int v = mc_env_int("MC_MMQ_Q6K_LAYOUT", 0, 2, 2);',
         "return v == 2 && row_bytes % 16 == 8 ? 2 : v >= 1 && row_bytes % 4 == 0 ? 1 : 0;",
         "const char * ra = mc_smem + (L == 2 ? 2 * g : g) * row_bytes;",
         "const char * rb = mc_smem + (L == 2 ? 2 * g + 1 : g + 8) * row_bytes;",
