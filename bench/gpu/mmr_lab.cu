@@ -18,8 +18,7 @@
 // COLUMNS 1: the library's persistent decode kernel (patch 0031, mc_pmv_q4_0; on by default, MC_MMV_PERSIST=0:
 // mc_mmv_q4_0 throughout) through the same launcher; MC_LAB_PMV_COPIES=1: that kernel's copies and waits alone where it runs (outputs 0:
 // a bound; the groups it declines, mc_pmv_worth, on mc_mmv_q4_0 as in a step).
-// MC_LAB_Q6K=1 (COLUMNS 9..16): the verify step's Q6_K output product alone (lab_q6k); =2 a 64-row
-// prototype of it that shares each kb's activations between 4 warps (lab_q6k64); MC_LAB_Q6K_HOST
+// MC_LAB_Q6K=1 (COLUMNS 9..16): the verify step's Q6_K output product alone (lab_q6k); MC_LAB_Q6K_HOST
 // 1: each launch followed by the outputs' copy to page-locked host memory (as llama.cpp copies the
 // logits after the graph), 2: the kernel writes that memory itself (patch 0035, MC_LOGITS_SINK_DIRECT).
 // Usage: mmr_lab REPEATS COLUMNS (COLUMNS 1 or 9..16); mmr_lab plan NSM OCC64 OCC48 OCC32 (no GPU: the
@@ -120,113 +119,6 @@ static __global__ void lab_fill_q6_K(block_q6_K * w, const int64_t nblocks, cons
     }
 }
 
-// MC_LAB_Q6K=2: a prototype (this lab only, not in the library) of the verify step's Q6_K product with a
-// quarter of the activation bytes a weight byte. mc_mmq_q6_K's 16-row blocks each read all 16 columns'
-// activations (80 KB at K = 5,120) for 67 KB of weights, from L2, and ncu found its warps waiting on
-// those loads (run AY). Here a block takes 64 rows, warp w rows 16 w .. 16 w + 15 over every Q6_K block
-// kb (no sums across warps); each pair of kb's weights (64 rows x 420 bytes: 4-byte cp.async, the pair
-// starting on a word; pitch 432 bytes, so a load's 8 rows x 4 words fall in 32 banks) and B fragments
-// (16 columns x 512 bytes in fragment order, mc_q6km_quantize<true>; pitch 576 bytes, so a quarter
-// warp's 16-byte loads fall in 32 banks) go through two shared-memory stages that all 4 warps read.
-// The arithmetic is the library's (mc_q6km_block: word loads for the even kb, 16-bit for the odd); the
-// sums are the same per kb, added in another order (kb 0, 1, ... instead of a warp's kb w, w + 4, ...
-// then the warps'), so the checksum differs from the library's by rounding only. Needs nblocks even
-// and nrows a multiple of 64 (the lab's shape).
-#define LAB_Q64_ROWS   64
-#define LAB_Q64_APITCH 432
-#define LAB_Q64_BPITCH 576
-constexpr int lab_q64_stage_bytes = LAB_Q64_ROWS * LAB_Q64_APITCH + 16 * LAB_Q64_BPITCH;  // 27,648 + 9,216
-
-__launch_bounds__(128, 3)
-static __global__ void lab_q6k64(const char * vx, const int8_t * yq, const float * yd, float * dst, const int ncols,
-                                 const int nblocks, const int64_t row_bytes, const int stride_col_dst) {
-    extern __shared__ __align__(16) char lab_smem[];
-    const int     tid    = threadIdx.x;
-    const int     warp   = tid / WARP_SIZE;
-    const int     lane   = tid % WARP_SIZE;
-    const int     g      = lane / 4;
-    const int     t      = lane % 4;
-    const int64_t row0   = (int64_t) blockIdx.x * LAB_Q64_ROWS;
-    const int     npairs = nblocks / 2;
-    const int64_t k      = (int64_t) nblocks * QK_K;
-    // pair p into stage p % 2: every row's 105 words of kb 2 p and 2 p + 1, every column's 512 bytes
-    auto issue = [&](const int pair) {
-        char * st = lab_smem + (pair % 2) * lab_q64_stage_bytes;
-        for (int i = tid; i < LAB_Q64_ROWS * 105; i += 128) {
-            const int r = i / 105;
-            const int w = i - r * 105;
-            __pipeline_memcpy_async(st + r * LAB_Q64_APITCH + 4 * w,
-                                    vx + (row0 + r) * row_bytes + (int64_t) pair * 420 + 4 * w, 4);
-        }
-        char * sb = st + LAB_Q64_ROWS * LAB_Q64_APITCH;
-        for (int i = tid; i < 16 * 32; i += 128) {
-            const int c = i / 32;
-            const int j = i % 32;
-            __pipeline_memcpy_async(sb + c * LAB_Q64_BPITCH + 16 * j,
-                                    yq + (int64_t) min(c, ncols - 1) * k + (int64_t) pair * 512 + 16 * j, 16);
-        }
-        __pipeline_commit();
-    };
-    float acc[2][4];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            acc[nt][i] = 0.0f;
-        }
-    }
-    issue(0);
-    for (int pair = 0; pair < npairs; ++pair) {
-        if (pair + 1 < npairs) {
-            issue(pair + 1);
-        } else {
-            __pipeline_commit();  // an empty group: the wait below counts the same way
-        }
-        __pipeline_wait_prior(1);
-        __syncthreads();
-        const char * st = lab_smem + (pair % 2) * lab_q64_stage_bytes;
-        const char * sb = st + LAB_Q64_ROWS * LAB_Q64_APITCH;
-        const char * ra = st + (16 * warp + g) * LAB_Q64_APITCH;
-        const char * rb = ra + 8 * LAB_Q64_APITCH;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int kb = 2 * pair + h;
-            int       yb[2][16];
-            float     ydc[2][2];
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {  // mc_q6km_load_y<NT, true>'s words, from the stage
-                const char * blk = sb + (nt * 8 + g) * LAB_Q64_BPITCH + h * 256;
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int4 v      = *(const int4 *) (blk + 64 * i + 16 * t);
-                    yb[nt][4 * i + 0] = v.x;
-                    yb[nt][4 * i + 1] = v.y;
-                    yb[nt][4 * i + 2] = v.z;
-                    yb[nt][4 * i + 3] = v.w;
-                }
-                ydc[nt][0] = yd[(int64_t) min(nt * 8 + 2 * t, ncols - 1) * nblocks + kb];
-                ydc[nt][1] = yd[(int64_t) min(nt * 8 + 2 * t + 1, ncols - 1) * nblocks + kb];
-            }
-            if (h == 0) {
-                mc_q6km_block<2, true>(acc, ra, rb, yb, ydc, t);
-            } else {
-                mc_q6km_block<2, false>(acc, ra + sizeof(block_q6_K), rb + sizeof(block_q6_K), yb, ydc, t);
-            }
-        }
-        __syncthreads();  // the next pass refills this stage
-    }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int c = nt * 8 + 2 * t + i % 2;
-            if (c < ncols) {
-                dst[(int64_t) c * stride_col_dst + row0 + 16 * warp + g + 8 * (i / 2)] = acc[nt][i];
-            }
-        }
-    }
-}
-
 // MC_LAB_Q6K=1 (COLUMNS 9..16): the verify step's Q6_K output product instead of the Q4_0 groups: patch
 // 0016's mc_mmq_q6_K on the 27B's 248,320 x 5,120 output matrix (1.04 GB, random blocks), its activations
 // quantized once (mc_q6km_quantize), the kernel's attributes as the library sets them
@@ -265,29 +157,15 @@ static int lab_q6k_form(const int repeats, const int ncols, const int host) {
     lab_fill_f32<<<(unsigned) ((16 * k + 255) / 256), 256>>>(x, 16 * k, 11u);
     mc_q6km_quantize<FRAG><<<(unsigned) ((ncols * nblocks + 7) / 8), 256>>>(x, yq, yd, (int) k, k, ncols);
     LAB_CHECK(cudaGetLastError());
-    // MC_LAB_Q6K=2: the 64-row prototype (lab_q6k64) instead of the library's kernel
-    const bool proto = mc_env_int("MC_LAB_Q6K", 0, 2, 0) == 2;
-    if (proto && (!FRAG || host == 2)) {
-        fprintf(stderr, "mmr_lab: MC_LAB_Q6K=2 needs MC_MMQ_Q6K_FRAG=1 (the default) and MC_LAB_Q6K_HOST 0 or 1\n");
-        return 2;
-    }
     mc_q6km_attributes<2, FRAG, L>(dev);
     const auto   kernel = mc_mmq_q6_K<2, FRAG, L>;
-    const size_t smem   = proto ? (size_t) 2 * lab_q64_stage_bytes : mc_q6km_smem(row_bytes);
-    if (proto) {
-        LAB_CHECK(cudaFuncSetAttribute(lab_q6k64, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
-    }
-    int occupancy = 0;
-    LAB_CHECK(proto ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, lab_q6k64, 128, smem) :
-                      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, kernel, MC_MMQ_THREADS, smem));
-    const dim3 grid((unsigned) (nrows / (proto ? LAB_Q64_ROWS : MC_Q6KM_ROWS)));
+    const size_t smem   = mc_q6km_smem(row_bytes);
+    int          occupancy = 0;
+    LAB_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, kernel, MC_MMQ_THREADS, smem));
+    const dim3 grid((unsigned) (nrows / MC_Q6KM_ROWS));
     auto       launch = [&]() {
-        if (proto) {
-            lab_q6k64<<<grid, 128, smem>>>(w, yq, yd, dst, ncols, nblocks, row_bytes, (int) nrows);
-        } else {
-            kernel<<<grid, MC_MMQ_THREADS, smem>>>(w, yq, yd, dst, host == 2 ? dsth : nullptr, (int) nrows, ncols,
-                                                   nblocks, row_bytes, (int) nrows, mc_kernel_flags());
-        }
+        kernel<<<grid, MC_MMQ_THREADS, smem>>>(w, yq, yd, dst, host == 2 ? dsth : nullptr, (int) nrows, ncols,
+                                               nblocks, row_bytes, (int) nrows, mc_kernel_flags());
         if (host == 1) {
             LAB_CHECK(cudaMemcpyAsync(dsth, dst, sizeof(float) * ncols * nrows, cudaMemcpyDeviceToHost));
         }
@@ -308,9 +186,9 @@ static int lab_q6k_form(const int repeats, const int ncols, const int host) {
         repeats, 1, [](size_t) { return 1; }, [&](size_t, int) { launch(); }, group_ms);
     printf("{\"kind\": \"group\", \"group\": \"out_q6k\", \"launches\": 1, \"us\": %.3f}\n",
            1000.0f * group_ms[0] / repeats);
-    printf("{\"kind\": \"step\", \"columns\": %d, \"form\": %d, \"layout\": %d, \"frag\": %d, \"smem\": %zu, "
+    printf("{\"kind\": \"step\", \"columns\": %d, \"form\": 6, \"layout\": %d, \"frag\": %d, \"smem\": %zu, "
            "\"blocks_per_sm\": %d, \"step_ms\": %.4f}\n",
-           ncols, proto ? 7 : 6, L, FRAG ? 1 : 0, smem, occupancy, ms);
+           ncols, L, FRAG ? 1 : 0, smem, occupancy, ms);
     return 0;
 }
 
@@ -466,9 +344,9 @@ int main(int argc, char ** argv) {
                         "9..16: the verify step's two-tile repacked form)\n");
         return 2;
     }
-    if (mc_env_int("MC_LAB_Q6K", 0, 2, 0) >= 1) {
+    if (mc_env_int("MC_LAB_Q6K", 0, 1, 0) == 1) {
         if (ncols == 1) {
-            fprintf(stderr, "mmr_lab: MC_LAB_Q6K=1 / 2 times the verify step's Q6_K product: COLUMNS 9..16\n");
+            fprintf(stderr, "mmr_lab: MC_LAB_Q6K=1 times the verify step's Q6_K product: COLUMNS 9..16\n");
             return 2;
         }
         return lab_q6k(repeats, ncols, mc_env_int("MC_LAB_Q6K_HOST", 0, 2, 0));

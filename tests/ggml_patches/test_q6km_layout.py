@@ -11,9 +11,6 @@ activations. This machine has no GPU: the GPU run compares the kernel itself aga
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -432,33 +429,3 @@ def test_the_kernel_reads_words_as_emulated(patched):
     assert "mc_lds_b2(" not in mc[block : mc.index("\n}\n", block)]
     ld = mc.index("static __device__ __forceinline__ int mc_q6km_ld(")
     assert "return *(const int *) p;" in mc[ld : mc.index("\n}\n", ld)]
-
-
-def test_the_mmr_labs_64_row_prototype_reads_its_stages_without_bank_conflicts():
-    """bench/gpu/mmr_lab.cu's MC_LAB_Q6K=2 prototype (lab_q6k64) stages a pair of Q6_K blocks of 64 rows
-    at a pitch of LAB_Q64_APITCH bytes and 16 columns' B fragments at LAB_Q64_BPITCH: each of its weight
-    loads (8 rows x 4 consecutive words, the even block word-aligned, the odd one 210 bytes on) is one
-    wavefront, and each quarter warp's 16-byte B loads (2 columns x 4 lanes) cover 32 distinct banks; the
-    pair's 420 bytes fit the pitch, and the two stages fit 3 blocks an SM (228 KB, 1 KB reserved each)."""
-    src = (Path(__file__).resolve().parents[2] / "bench" / "gpu" / "mmr_lab.cu").read_text()
-    apitch = int(re.search(r"#define LAB_Q64_APITCH (\d+)", src).group(1))
-    bpitch = int(re.search(r"#define LAB_Q64_BPITCH (\d+)", src).group(1))
-    rows = int(re.search(r"#define LAB_Q64_ROWS +(\d+)", src).group(1))
-    assert apitch >= 2 * BLOCK and apitch % 16 == 0 and bpitch >= 512 and bpitch % 16 == 0
-    g, t = np.arange(32) // 4, np.arange(32) % 4
-    for kb_off in (0, BLOCK):
-        for off in (0, 32, 64, 96, 128, 160, 192):  # ql / qh words of a lane: l = 4 t (+ 16 is)
-            for base in (0, 8 * apitch):  # the MMA's rows g, g + 8
-                lanes = base + g * apitch + kb_off + off + 4 * t
-                if kb_off % 4 == 0:
-                    assert wavefronts(lanes) == 1
-                else:  # two 16-bit loads
-                    assert wavefronts(lanes) == 1 and wavefronts(lanes + 2) == 1
-    for i in range(4):
-        for q in range(4):  # quarter warp q: lanes 8 q .. 8 q + 7
-            lanes = np.arange(8 * q, 8 * q + 8)
-            words = ((lanes // 4) * bpitch + 64 * i + 16 * (lanes % 4)) // 4
-            banks = (words[:, None] + np.arange(4)) % 32
-            assert len(set(banks.ravel().tolist())) == 32
-    stage = rows * apitch + 16 * bpitch
-    assert 3 * (2 * stage + 1024) <= 228 * 1024
