@@ -66,21 +66,28 @@ def test_every_tile_of_the_next_copy_once_from_its_start(grid, rows, k, kb):
     assert max(counts.values()) <= per_block
 
 
+def assert_has(body: str, texts: list[str]) -> None:
+    for text in texts:
+        assert text in body, text
+
+
 def test_the_source_prefetches_as_emulated(patched):
     mc = (patched / "ggml" / "src" / "ggml-cuda" / "mc-mmv.cu").read_text()
     # not inlined (inlined, the 48-row form spilled: test_cuda_kernels checks every form for spills)
     helper = c_body(mc, "static __device__ __noinline__ void mc_mmr_prefetch_next(const mc_mmr_next nx) {")
-    for text in [
-        'const int nb  = MC_SREG("nctaid.x") * MC_SREG("nctaid.y");',
-        'const int bid = MC_SREG("ctaid.y") * MC_SREG("nctaid.x") + MC_SREG("ctaid.x");',
-        'const int tid = MC_SREG("tid.x");',
-        'const int nt  = MC_SREG("ntid.x");',
-        "for (int t = bid + tid * nb; t < tiles; t += nb * nt) {",
-        "mc_prefetch_l2(p + (int64_t) t * tb, bytes);",
-        "const char * p     = i == 0 ? nx.ptr[0] : nx.ptr[1];",
-        "const int    bytes = i == 0 ? nx.bytes[0] : nx.bytes[1];",
-    ]:
-        assert text in helper, text
+    assert_has(
+        helper,
+        [
+            'const int nb  = MC_SREG("nctaid.x") * MC_SREG("nctaid.y");',
+            'const int bid = MC_SREG("ctaid.y") * MC_SREG("nctaid.x") + MC_SREG("ctaid.x");',
+            'const int tid = MC_SREG("tid.x");',
+            'const int nt  = MC_SREG("ntid.x");',
+            "for (int t = bid + tid * nb; t < tiles; t += nb * nt) {",
+            "mc_prefetch_l2(p + (int64_t) t * tb, bytes);",
+            "const char * p     = i == 0 ? nx.ptr[0] : nx.ptr[1];",
+            "const int    bytes = i == 0 ? nx.bytes[0] : nx.bytes[1];",
+        ],
+    )
     # the kernel takes the request by value and issues it last, after the K slices' finish
     kernel = c_body(mc, "static __global__ void mc_mmr_q4_0(")
     assert "const int flags, const mc_mmr_next next) {" in kernel
@@ -89,16 +96,18 @@ def test_the_source_prefetches_as_emulated(patched):
     # the chooser: the setting's range, each tile's bytes as emulated, only fresh copies of other matrices
     assert 'mc_env_int("MC_MMR_L2_NEXT_KB", 0, 4096, 0)' in mc
     choose = c_body(mc, "static mc_mmr_next mc_mmr_next_choose(const mc_mm_group & grp) {")
-    for text in [
-        "if (kb == 0 || mc_mmr_count.load() == 0) {",
-        "for (const ggml_tensor * c : { mc_next_here.first, mc_next_here.second }) {",
-        "mine = mine || (const char *) c->data == grp.vx[q];",
-        "it->second.stale",
-        "const int64_t tile_bytes = it->second.k / 128 * MC_MMR_TILE_BYTES;",
-        "nx.bytes[n]      = (int) (std::min((int64_t) kb * 1024, tile_bytes) / 16 * 16);",
-        "nx.tiles[n]      = (int) (it->second.rows / 16);",
-    ]:
-        assert text in choose, text
+    assert_has(
+        choose,
+        [
+            "if (kb == 0 || mc_mmr_count.load() == 0) {",
+            "for (const ggml_tensor * c : { mc_next_here.first, mc_next_here.second }) {",
+            "mine = mine || (const char *) c->data == grp.vx[q];",
+            "it->second.stale",
+            "const int64_t tile_bytes = it->second.k / 128 * MC_MMR_TILE_BYTES;",
+            "nx.bytes[n]      = (int) (std::min((int64_t) kb * 1024, tile_bytes) / 16 * 16);",
+            "nx.tiles[n]      = (int) (it->second.rows / 16);",
+        ],
+    )
     # the plan of the next products is built for either setting
     plan = c_body(mc, "void ggml_cuda_mc_next_weights_plan(")
     assert "if (mc_next_mb() == 0 && mc_mmr_next_kb() == 0) {" in plan
