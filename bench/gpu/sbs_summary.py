@@ -214,6 +214,25 @@ def compare_logits(state: Path, build: str = "patched", ref: str = "stock") -> d
     }
 
 
+STATUS_LINE = re.compile(r"^[ MADRCU?!]{2} \S")
+
+
+def tree_changes(env: str) -> list[str]:
+    """The lines `git status --short` printed into env.txt after the commit: files of the measured tree
+    that differ from that commit (uncommitted changes, or a copy of the tree whose .git is older than its
+    files: the H200 runs' copies have read an older HEAD)."""
+    lines = env.splitlines()
+    at = next((i for i, line in enumerate(lines) if line.startswith("commit ")), None)
+    if at is None:
+        return []
+    out = []
+    for line in lines[at + 1 :]:
+        if not STATUS_LINE.match(line):
+            break
+        out.append(line.rstrip())
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("state", type=Path)
@@ -301,6 +320,14 @@ def main() -> None:
     sym = st / "stdcxx-symbols.txt"
     if sym.exists():
         res["libggml_cuda_std_symbols"] = int(sym.read_text().strip() or 0)
+    # the tree measured, where the commit alone does not say it: its changed files and the series' hash
+    changes = tree_changes(env)
+    if changes:
+        res["tree_changes"] = changes
+    log = (st / "steps.log").read_text() if (st / "steps.log").exists() else ""  # side_by_side.sh's log()
+    series = re.search(r"series ([0-9a-f]{16,})", log)
+    if series:
+        res["series_hash"] = series.group(1)
     if not res["commit"]:
         res["commit"] = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
@@ -310,8 +337,13 @@ def main() -> None:
 
 
 def print_table(res: dict) -> None:
+    n = len(res.get("tree_changes", []))
+    dirty = f" (+{n} changed file{'s' if n != 1 else ''}: see tree_changes)" if n else ""
+    if res.get("series_hash"):
+        dirty += f"  series {res['series_hash'][:16]}"
     print(
-        f"GPU {res.get('gpu')}  commit {str(res.get('commit'))[:10]}  model {res.get('model_bytes')} B  "
+        f"GPU {res.get('gpu')}  commit {str(res.get('commit'))[:10]}{dirty}  "
+        f"model {res.get('model_bytes')} B  "
         f"copy {res.get('copy_bw_tb_s')} TB/s  ceiling {res.get('ceiling_tok_s')} tok/s  "
         f"pinned h2d {res.get('pinned_h2d_gb_s')} GB/s"
     )

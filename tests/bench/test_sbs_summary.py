@@ -129,6 +129,40 @@ def test_summary_fills_the_issue_keys_and_the_kernel_figures(tmp_path):
     assert "mc_mmq_q4_0<2, 8, false> (2 launches): Duration 35 us, Memory Throughput 25 %" in run.stdout
 
 
+def test_a_tree_that_differs_from_its_commit_is_said_so(tmp_path):
+    """A run whose tree differs from the commit its git names (run BA: the device copy's .git named
+    5b548dc while its files were 537300b's) records the changed files git status listed and the patch
+    series' hash from the run's log, and the printed header says so; a clean tree adds neither."""
+    st = tmp_path / "state"
+    st.mkdir()
+    make_state(st)
+    nvidia = "name, driver_version, compute_cap\nNVIDIA H200, 580.159.04, 9.0\n"
+    (st / "env.txt").write_text(
+        "2026-12-02T02:15:44Z\ncommit 5b548dcac3\n M ggml-patches/series\n?? drv.sh\n" + nvidia
+    )
+    (st / "steps.log").write_text(
+        "[02:15:44 +1s] === call start\n[02:15:46 +3s] build started (arch 90, series 4253783c13c234c3aa)\n"
+    )
+    out = tmp_path / "summary.json"
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), str(st), "--out", str(out)], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+    res = json.loads(out.read_text())
+    assert res["commit"] == "5b548dcac3"
+    assert res["tree_changes"] == [" M ggml-patches/series", "?? drv.sh"]
+    assert res["series_hash"] == "4253783c13c234c3aa"
+    assert "commit 5b548dcac3 (+2 changed files: see tree_changes)  series 4253783c13c234c3" in run.stdout
+    (st / "env.txt").write_text("2026-12-02T02:15:44Z\ncommit 5b548dcac3\n" + nvidia)
+    (st / "steps.log").unlink()
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), str(st), "--out", str(out)], capture_output=True, text=True, timeout=60
+    )
+    res = json.loads(out.read_text())
+    assert "tree_changes" not in res and "series_hash" not in res
+    assert "commit 5b548dcac3  model" in run.stdout
+
+
 def test_verify_draws_give_the_median_and_each_draws_ratio(tmp_path):
     # MC_SBS_DRAWS processes write their lines one after another into one step output: the figure is
     # the median of the draws, each draw's own 16 / 1 ratio is kept, and one slow draw does not decide it
