@@ -15,8 +15,11 @@ replaces the bench's folder: another build's libraries (e.g. an incremental rebu
 copied to a folder of its own) then run under the same program, so two builds alternate on one
 machine (run AY). A measure is
 verify:DEPTH:SEQS:K[,K...] (ms of one decode of K tokens for each of SEQS sequences) or
-tg:DEPTH[,DEPTH...]:N (tokens/s of single-stream decode). Writes JSON (every draw, mean / min / max,
-and each setting's mean against the first setting's) and prints a table."""
+tg:DEPTH[,DEPTH...]:N (tokens/s of single-stream decode). A verify measure that has K = 1 beside
+larger K also gives each larger K's cost over one token's from the same process
+(verify_dD_sS_kK_over_k1: the issue's verify16 / verify1 figure for K = 16, draw by draw). Writes JSON
+(every draw, mean / median / min / max, and each setting's mean against the first setting's) and
+prints a table."""
 
 from __future__ import annotations
 
@@ -24,9 +27,13 @@ import argparse
 import datetime
 import json
 import os
+import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+VERIFY_KEY = re.compile(r"verify_d(\d+)_s(\d+)_k(\d+)_ms")
 
 
 def parse_setting(text: str) -> tuple[str, dict[str, str]]:
@@ -82,7 +89,19 @@ def run_one(bench: Path, model: Path, args: list[str], env: dict[str, str]) -> d
             out[kv[0]] = kv[1]
     if not out:
         raise SystemExit(f"{' '.join(cmd)}: no figures in its output")
-    return out
+    return with_ratios(out)
+
+
+def with_ratios(out: dict[str, float]) -> dict[str, float]:
+    """out and, for each verify figure of K > 1 whose K = 1 figure (same depth and sequences) came from
+    the same process, their ratio."""
+    ratios = {}
+    for key, value in out.items():
+        m = VERIFY_KEY.fullmatch(key)
+        one = m and out.get(f"verify_d{m[1]}_s{m[2]}_k1_ms")
+        if m and m[3] != "1" and one:
+            ratios[f"verify_d{m[1]}_s{m[2]}_k{m[3]}_over_k1"] = round(value / one, 4)
+    return {**out, **ratios}
 
 
 def summarize(draws: dict[str, dict[str, list[float]]], first: str) -> dict:
@@ -91,7 +110,13 @@ def summarize(draws: dict[str, dict[str, list[float]]], first: str) -> dict:
         summary[name] = {}
         for key, vals in figs.items():
             mean = sum(vals) / len(vals)
-            entry = {"mean": round(mean, 4), "min": min(vals), "max": max(vals), "n": len(vals)}
+            entry = {
+                "mean": round(mean, 4),
+                "median": round(statistics.median(vals), 4),
+                "min": min(vals),
+                "max": max(vals),
+                "n": len(vals),
+            }
             base = draws[first].get(key)
             if name != first and base:
                 entry["vs_first"] = round(mean / (sum(base) / len(base)), 4)
@@ -110,7 +135,8 @@ def print_table(summary: dict, names: list[str]) -> None:
                 cells.append(f"{'-':>22}")
                 continue
             rel = f" ({100 * (e['vs_first'] - 1):+.1f}%)" if "vs_first" in e else ""
-            cells.append(f"{e['mean']:.2f} [{e['min']:.2f}-{e['max']:.2f}]{rel}".rjust(22))
+            f = ".3f" if key.endswith("_over_k1") else ".2f"  # a ratio near the goal's 1.5
+            cells.append(f"{e['mean']:{f}} [{e['min']:{f}}-{e['max']:{f}}]{rel}".rjust(22))
         print(f"{key:<28}" + "".join(cells))
 
 

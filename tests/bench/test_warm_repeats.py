@@ -72,6 +72,34 @@ def test_rounds_alternate_the_settings_and_summarize_against_the_first(tmp_path)
     assert len(calls) == 12
     assert calls[0] == "- verify m.gguf 512 1 1,16" and calls[2] == "1.1 verify m.gguf 512 1 1,16"
     assert "verify_d512_s1_k16_ms" in res.stdout and "+10.0%" in res.stdout
+    # the 16-token step over the one-token step of the same process, draw by draw: (6.5 + 5.6) / 6.85
+    ratio = round(12.1 / 6.85, 4)
+    assert data["draws"]["base"]["verify_d512_s1_k16_over_k1"] == [ratio] * 3
+    assert data["draws"]["slow"]["verify_d512_s1_k16_over_k1"] == [ratio] * 3  # the scale cancels
+    assert s["base"]["verify_d512_s1_k16_over_k1"]["median"] == ratio
+    assert s["base"]["verify_d512_s1_k1_ms"]["median"] == 6.85
+    assert "verify_d512_s1_k1_over_k1" not in data["draws"]["base"]  # no ratio of K = 1 to itself
+    assert "verify_d512_s1_k16_over_k1" in res.stdout
+
+
+def test_ratios_pair_figures_of_one_depth_and_sequence_count():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import warm_repeats
+    finally:
+        sys.path.pop(0)
+    out = warm_repeats.with_ratios(
+        {
+            "verify_d512_s1_k1_ms": 6.0,
+            "verify_d512_s1_k16_ms": 9.0,
+            "verify_d512_s12_k1_ms": 10.0,
+            "verify_d512_s12_k4_ms": 15.0,
+            "verify_d4096_s1_k16_ms": 12.0,  # no K = 1 at this depth: no ratio
+            "tg_d0_tok_s": 150.0,
+        }
+    )
+    assert out["verify_d512_s1_k16_over_k1"] == 1.5 and out["verify_d512_s12_k4_over_k1"] == 1.5
+    assert "verify_d4096_s1_k16_over_k1" not in out and out["tg_d0_tok_s"] == 150.0
 
 
 def test_bad_arguments_name_the_field(tmp_path):
