@@ -66,6 +66,39 @@ def test_every_tile_of_the_next_copy_once_from_its_start(grid, rows, k, kb):
     assert max(counts.values()) <= per_block
 
 
+# one layer of the 27B's graph as the evaluation meets its Q4_0 products (other nodes between them do not
+# change the plan): a GDN layer's four inputs, its output projection, the FFN; then the next layer
+LAYER = ["qkv", "z", "alpha", "beta", "out", "gate", "up", "down"]
+
+
+def plan(nodes: list[str], keep: int) -> list[list[str]]:
+    """ggml_cuda_mc_next_weights_plan: for each node, the next `keep` Q4_0 products after it."""
+    out, cur = [], []
+    for name in reversed(nodes):
+        out.append(list(cur))
+        cur = [name, *cur][:keep]
+    return out[::-1]
+
+
+def choose(cands: list[str], own: set[str]) -> list[str]:
+    """mc_mmr_next_choose: the first two candidates that are none of the launch's own (all have copies)."""
+    return [c for c in cands if c not in own][:2]
+
+
+def test_each_launch_prefetches_the_next_two_launches_products():
+    """With MC_GROUP_MAX + 2 = 6 candidates a node, every launch of a layer names the products after its
+    own group; with the two the plan kept before, the GDN input's launch (four products: its candidates
+    its own) would find none and the FFN gate + up's one."""
+    nodes = LAYER + [f"{n}'" for n in LAYER]
+    p6, p2 = plan(nodes, 6), plan(nodes, 2)
+    groups = [({"qkv", "z", "alpha", "beta"}, 0), ({"out"}, 4), ({"gate", "up"}, 5), ({"down"}, 7)]
+    want = [["out", "gate"], ["gate", "up"], ["down", "qkv'"], ["qkv'", "z'"]]
+    for (own, first), names in zip(groups, want, strict=True):
+        assert choose(p6[first], own) == names, (own, p6[first])
+    assert choose(p2[0], groups[0][0]) == []  # the old plan: the GDN input prefetched nothing
+    assert choose(p2[5], groups[2][0]) == ["down"]
+
+
 def assert_has(body: str, texts: list[str]) -> None:
     for text in texts:
         assert text in body, text
@@ -92,7 +125,8 @@ def test_the_source_prefetches_as_emulated(patched):
     kernel = c_body(mc, "static __global__ void mc_mmr_q4_0(")
     assert "const int flags, const mc_mmr_next next) {" in kernel
     tail = kernel[kernel.index("mc_mmq_ksplit_finish<") :]
-    assert re.search(r"stride_col_dst\);\n    mc_mmr_prefetch_next\(next\);", tail), tail
+    # unguarded (the request's own loop returns at once when empty), and the kernel's last statement
+    assert re.search(r"stride_col_dst\);\n(    //[^\n]*\n)*    mc_mmr_prefetch_next\(next\);$", tail), tail
     # the chooser: the setting's range, each tile's bytes as emulated, only fresh copies of other matrices
     assert 'mc_env_int("MC_MMR_L2_NEXT_KB", 0, 4096, 0)' in mc
     choose = c_body(mc, "static mc_mmr_next mc_mmr_next_choose(const mc_mm_group & grp) {")
@@ -100,7 +134,8 @@ def test_the_source_prefetches_as_emulated(patched):
         choose,
         [
             "if (kb == 0 || mc_mmr_count.load() == 0) {",
-            "for (const ggml_tensor * c : { mc_next_here.first, mc_next_here.second }) {",
+            "for (const ggml_tensor * c : mc_next_here.c) {",
+            "if (c == nullptr || n == 2) {",
             "mine = mine || (const char *) c->data == grp.vx[q];",
             "it->second.stale",
             "const int64_t tile_bytes = it->second.k / 128 * MC_MMR_TILE_BYTES;",
@@ -108,9 +143,22 @@ def test_the_source_prefetches_as_emulated(patched):
             "nx.tiles[n]      = (int) (it->second.rows / 16);",
         ],
     )
-    # the plan of the next products is built for either setting
+    # the plan of the next products is built for either setting and keeps MC_GROUP_MAX + 2 of them, the
+    # nearest first (as plan() below)
     plan = c_body(mc, "void ggml_cuda_mc_next_weights_plan(")
     assert "if (mc_next_mb() == 0 && mc_mmr_next_kb() == 0) {" in plan
+    group_h = (patched / "ggml" / "src" / "ggml-cuda" / "mc-group.h").read_text()
+    assert "#define MC_NEXT_CANDIDATES (MC_GROUP_MAX + 2)" in mc and "#define MC_GROUP_MAX 4 " in group_h
+    assert_has(
+        plan,
+        [
+            "mc_next_plan[i]        = cur;",
+            "for (int j = MC_NEXT_CANDIDATES - 1; j > 0; --j) {",
+            "cur.c[j] = cur.c[j - 1];",
+            "cur.c[0] = nd->src[0];",
+        ],
+    )
+    assert plan.index("mc_next_plan[i]        = cur;") < plan.index("cur.c[0] = nd->src[0];")
     # mc_mmr_run sets the request from the launch's original weights before its launches, clears it after
     run = c_body(mc, "static bool mc_mmr_run(")
     first = run.index("mc_mmr_next_req = mc_mmr_next_choose(grp_in);")
