@@ -14,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.ggml_patches.test_cuda_kernels import c_body
+
 BLOCK = 210  # ql[128], qh[64], scales[16] (int8), d (f16)
 ROWS = 16  # MC_Q6KM_ROWS
 WARPS = 4
@@ -326,8 +328,7 @@ def test_the_kernel_unpacks_as_emulated(patched):
     assert mc.index("(NIB == 0 ? lo_word << 2 : lo_word >> 2) & 0x3C3C3C3Cu;", helper) < mc.index(
         "return (int) (lo | ((hf << (6 - 2 * Q)) & 0xC0C0C0C0u));", helper
     )
-    block = mc.index("static __device__ __forceinline__ void mc_q6km_block(")
-    body = mc[block : mc.index("\n}\n", block)]
+    body = c_body(mc, "static __device__ __forceinline__ void mc_q6km_block(")
     for text in [
         "mc_q6km_ld<AL>((const char *) ba->qh + h * 32 + l) ^ 0xAAAAAAAAu;",
         "mc_q6km_ld<AL>((const char *) bb->qh + h * 32 + l) ^ 0xAAAAAAAAu;",
@@ -425,7 +426,5 @@ def test_the_kernel_reads_words_as_emulated(patched):
         "mc_q6km_warp<NT, FRAG, false>(acc, ra, rb, yq, yd, ncols, nblocks, warp, g, t);",
     ]:
         assert text in mc, text
-    block = mc.index("static __device__ __forceinline__ void mc_q6km_block(")
-    assert "mc_lds_b2(" not in mc[block : mc.index("\n}\n", block)]
-    ld = mc.index("static __device__ __forceinline__ int mc_q6km_ld(")
-    assert "return *(const int *) p;" in mc[ld : mc.index("\n}\n", ld)]
+    assert "mc_lds_b2(" not in c_body(mc, "static __device__ __forceinline__ void mc_q6km_block(")
+    assert "return *(const int *) p;" in c_body(mc, "static __device__ __forceinline__ int mc_q6km_ld(")
