@@ -12,10 +12,9 @@
 // MC_MMR_FORM=4 (patch 0025): the warpgroup kernel mc_mmw_q4_0 on the copies in its own order
 // (mc_mmr_repack's interleave), its activations by mc_mmw_convert_y, K slices as a cluster
 // (mc_mmw_launch_kernel; MC_MMW_KSLICES_MAX caps them) (sm_90 and a lab built for 90a; else the
-// program says so and exits 2). The bulk form's launches choose their form through the library's own
-// mc_mmr_bulk_dispatch (the narrower forms by mc_mmr_rows_form, MC_MMR_ROWS32=0: never; the split
-// activation ring, MC_MMR_YSPLIT=1); their groups' k_slices read 200 (48-row tiles) or 100 (32-row) +
-// the slices.
+// program says so and exits 2). The bulk form's launches choose the narrower forms as mc_mmr_launch does
+// (mc_mmr_rows_form; MC_MMR_ROWS32=0: never); their groups' k_slices read 200 (48-row tiles) or 100
+// (32-row) + the slices.
 // COLUMNS 1: the library's persistent decode kernel (patch 0031, mc_pmv_q4_0; on by default, MC_MMV_PERSIST=0:
 // mc_mmv_q4_0 throughout) through the same launcher; MC_LAB_PMV_COPIES=1: that kernel's copies and waits alone where it runs (outputs 0:
 // a bound; the groups it declines, mc_pmv_worth, on mc_mmv_q4_0 as in a step).
@@ -389,6 +388,18 @@ int main(int argc, char ** argv) {
         LAB_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, kernel, MC_MMQ_THREADS, smem));
     }
     occupancy = std::max(1, occupancy);
+    // the narrower forms' occupancy (48 and 32 rows: mc_mmr_launch's choice, mc_mmr_rows_form, MC_MMR_ROWS32)
+    constexpr int S = MC_MMR_NARROW_STAGES, B = MC_MMR_NARROW_MINB;
+    const auto    kernel48 = mc_mmr_q4_0<2, S, true, 3, B>;
+    const auto    kernel32 = mc_mmr_q4_0<2, S, true, 2, B>;
+    const size_t  smem48 = mc_mmr_smem<2, S, true, 3>(), smem32 = mc_mmr_smem<2, S, true, 2>();
+    int           occupancy48 = 0, occupancy32 = 0;
+    if (bulk && !wgmma) {
+        LAB_CHECK(cudaFuncSetAttribute(kernel48, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem48));
+        LAB_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy48, kernel48, MC_MMQ_THREADS, smem48));
+        LAB_CHECK(cudaFuncSetAttribute(kernel32, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem32));
+        LAB_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy32, kernel32, MC_MMQ_THREADS, smem32));
+    }
 
     // weights (four sets a group, repacked), activations (f16, the converter's order), outputs, partials
     std::vector<std::vector<lab_set>> sets(plan.size());
@@ -521,21 +532,27 @@ int main(int argc, char ** argv) {
         }
         const int region = (int) (launches++ % MC_MMQ_COUNTER_REGIONS);
         int       nt     = ntiles;
-        if (bulk) {  // the library's own choice of form (mc_mmr_bulk_dispatch: MC_MMR_ROWS32, MC_MMR_YSPLIT)
-            int code = 0;
-            mc_mmr_bulk_dispatch<3>(grp, nquads, [&](auto st, auto mt, auto minb, auto yst, const int slots) {
-                constexpr int MT = decltype(mt)::value;
-                const int     ks = mc_mmr_plan(grp, MT, nquads, slots, nt);
-                mc_mmr_start<2, decltype(st)::value, true, MT, decltype(minb)::value, decltype(yst)::value>(
-                    grp, nt, ks, ys[gi], ks > 1 ? partials : nullptr, region, nullptr, ncols, nquads, mc_kernel_flags(),
-                    nullptr);
-                code = (MT == 3 ? 200 : MT == 2 ? 100 : 0) + ks;  // 200 (48 rows) or 100 (32) + the K slices
-            });
-            return code;
+        const int mt = bulk && !wgmma ? mc_mmr_rows_form(grp, nquads, occupancy, occupancy48, occupancy32, nsm) : 4;
+        if (mt != 4) {
+            const int ks = mc_mmr_plan(grp, mt, nquads, (mt == 3 ? occupancy48 : occupancy32) * nsm, nt);
+            float *   p  = ks > 1 ? partials : nullptr;
+            if (mt == 3) {
+                mc_mmr_start<2, S, true, 3, B>(grp, nt, ks, ys[gi], p, region, nullptr, ncols, nquads,
+                                               mc_kernel_flags(), nullptr);
+            } else {
+                mc_mmr_start<2, S, true, 2, B>(grp, nt, ks, ys[gi], p, region, nullptr, ncols, nquads,
+                                               mc_kernel_flags(), nullptr);
+            }
+            return (mt == 3 ? 200 : 100) + ks;  // the narrower forms: 200 (48 rows) or 100 (32) + the K slices
         }
         const int ks = mc_mmr_plan(grp, 4, nquads, occupancy * nsm, nt);
-        mc_mmr_start<2, 3, false, 4, 2>(grp, nt, ks, ys[gi], ks > 1 ? partials : nullptr, region, nullptr, ncols,
-                                        nquads, mc_kernel_flags(), nullptr);
+        if (bulk) {
+            mc_mmr_start<2, 3, true, 4, 2>(grp, nt, ks, ys[gi], ks > 1 ? partials : nullptr, region, nullptr, ncols,
+                                           nquads, mc_kernel_flags(), nullptr);
+        } else {
+            mc_mmr_start<2, 3, false, 4, 2>(grp, nt, ks, ys[gi], ks > 1 ? partials : nullptr, region, nullptr, ncols,
+                                            nquads, mc_kernel_flags(), nullptr);
+        }
         return ks;
     };
     // the first set's outputs: a checksum a group (sum and sum of squares over every product's outputs)

@@ -70,23 +70,15 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     # (columns / 8, stages, bulk, row tiles of 16 a block, blocks an SM): those of 64 rows and 2 blocks
     # an SM, and (patches 0028 / 0029) the 48- and 32-row forms for products of more than one wave: two
     # tiles, 2 stages, bulk copies, 3 blocks an SM (sm_90: 65,536 / 384 = 170 registers, allocated in
-    # steps of 8; sm_120, whose shared memory holds fewer blocks, asks the compiler for 2). The last
-    # argument, the activation stages, equals the stages but in MC_MMR_YSPLIT's forms (their own ring of
-    # 2): 64 rows with 4 weight stages, 48 rows with 3
-    args = r"ILi(\d)ELi(\d)ELb(\d)ELi(\d)ELi(\d)ELi(\d)EE"
-    name = rf"entry function '_Z11mc_mmr_q4_0{args}\w+'.*?Used (\d+) registers"
+    # steps of 8; sm_120, whose shared memory holds fewer blocks, asks the compiler for 2)
+    name = r"entry function '_Z11mc_mmr_q4_0ILi(\d)ELi(\d)ELb(\d)ELi(\d)ELi(\d)EE\w+'.*?Used (\d+) registers"
     mmr = re.findall(name, report, re.S)
-    forms = sorted((nt, st, bulk, yst) for nt, st, bulk, mt, _, yst, _ in mmr if mt == "4")
-    want = [(nt, st, b, st) for nt, st in (("1", "3"), ("2", "2"), ("2", "3")) for b in "01"]
-    assert forms == sorted([*want, ("2", "4", "1", "2")]), mmr
-    assert all(int(r) <= 255 and minb == "2" for _, _, _, mt, minb, _, r in mmr if mt == "4"), mmr
-    narrow = [(nt, st, bulk, mt, minb, yst, int(r)) for nt, st, bulk, mt, minb, yst, r in mmr if mt != "4"]
-    assert sorted(f[:6] for f in narrow) == [
-        ("2", "2", "1", "2", "3", "2"),
-        ("2", "2", "1", "3", "3", "2"),
-        ("2", "3", "1", "3", "3", "2"),
-    ], mmr
-    assert all(f[6] <= (168 if arch == "90" else 255) for f in narrow), mmr
+    forms = sorted((nt, st, bulk) for nt, st, bulk, mt, _, _ in mmr if mt == "4")
+    assert forms == sorted((nt, st, b) for nt, st in (("1", "3"), ("2", "2"), ("2", "3")) for b in "01"), mmr
+    assert all(int(r) <= 255 and minb == "2" for _, _, _, mt, minb, r in mmr if mt == "4"), mmr
+    narrow = [(nt, st, bulk, mt, minb, int(r)) for nt, st, bulk, mt, minb, r in mmr if mt != "4"]
+    assert sorted(f[:5] for f in narrow) == [("2", "2", "1", mt, "3") for mt in ("2", "3")], mmr
+    assert all(f[5] <= (168 if arch == "90" else 255) for f in narrow), mmr
     assert "MC_MMR_MINB_CAP 2" in source and "__CUDA_ARCH__ >= 1200" in source
     assert 'mc_env_int("MC_MMR_ROWS32", 0, 1, 1)' in source
     # MC_MMR_BALANCE, MC_MMR_STAGES=2, MC_MMR_PAIRS=1, MC_MMR_DECODE=1, MC_MMR_OFFSET, MC_MMR_TAIL,
@@ -96,7 +88,6 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     for dropped in ("mc_mmr_bal", "mc_mmr_pair", "mc_mmr1", "mc_mmr_rs", "mc_mmr_ws"):
         assert f"{dropped}_q4_0" not in report, dropped
     assert not re.search(r"_Z11mc_mmr_q4_0ILi\dELi\dELb\dELb", report)
-    assert 'mc_env_int("MC_MMR_YSPLIT", 0, 1, 0)' in source
     for setting in ("SPLIT_ACC", "FOLD", "YREG", "RS", "WS"):
         assert f"MC_MMR_{setting}" not in source, setting
     assert "MC_MMQ_KSLICES_MAX" not in source
@@ -200,9 +191,8 @@ def test_bulk_copies_land_on_128_byte_lines(patched):
     assert re.search(r"constexpr size_t smem\s+=.*\+ MC_SMEM_PAD;", wlaunch)
     # mc_mmr_q4_0's launches (every row-tile form) take their size from one function, which adds the pad
     sizes = c_body(source, "static constexpr size_t mc_mmr_smem(")
-    assert "mc_mmr_warp_stage(NT, BULK, MT) + MC_SMEM_PAD :" in sizes
-    assert "YST * 4 * NT * 512) + MC_SMEM_PAD;" in sizes  # MC_MMR_YSPLIT's forms
-    assert "mc_mmr_smem<NT, STAGES, BULK, MT, YST>(), stream);" in c_body(source, "static void mc_mmr_start(")
+    assert "mc_mmr_warp_stage(NT, BULK, MT) + MC_SMEM_PAD;" in sizes
+    assert "mc_mmr_smem<NT, STAGES, BULK, MT>(), stream);" in c_body(source, "static void mc_mmr_start(")
     # the dispatch picks 3 stages of two column tiles only where a block gets them with the pad
     run = c_body(source, "static bool mc_mmr_run(")
     assert "(size_t) 3 * MC_MMQ_WARPS * MC_MMR_ITEMS(2) * 512 + MC_SMEM_PAD;" in run
