@@ -10,11 +10,11 @@
 // settings' runs can be compared (bench/gpu/kernel_lab.py mmr does). The settings the kernels read
 // from the environment (MC_MMR_*, MC_MMV_*) apply as in the library. Output: one JSON object a line.
 // MC_MMR_FORM=4 (patch 0025): the warpgroup kernel mc_mmw_q4_0 on the copies in its own order
-// (mc_mmr_repack's interleave), its activations by mc_mmw_convert_y, K slices as a cluster
+// (mc_mmr_repack's layout 1), its activations by mc_mmw_convert_y, K slices as a cluster
 // (mc_mmw_launch_kernel; MC_MMW_KSLICES_MAX caps them) (sm_90 and a lab built for 90a; else the
 // program says so and exits 2). The bulk form's launches choose the narrower forms as mc_mmr_launch does
 // (mc_mmr_rows_form; MC_MMR_ROWS32=0: never); their groups' k_slices read 200 (48-row tiles) or 100
-// (32-row) + the slices.
+// (32-row) + the slices. MC_MMR_QMAJOR=1 (patch 0038): the copies made and read in the quad-major layout.
 // COLUMNS 1: the library's persistent decode kernel (patch 0031, mc_pmv_q4_0; on by default, MC_MMV_PERSIST=0:
 // mc_mmv_q4_0 throughout) through the same launcher; MC_LAB_PMV_COPIES=1: that kernel's copies and waits alone where it runs (outputs 0:
 // a bound; the groups it declines, mc_pmv_worth, on mc_mmv_q4_0 as in a step).
@@ -440,7 +440,8 @@ int main(int argc, char ** argv) {
                     lab_fill_q4_0<<<(unsigned) ((nblocks + 255) / 256), 256>>>((block_q4_0 *) scratch, nblocks, seed);
                     const int64_t npieces = (int64_t) g.rows[p] / 16 * nquads * 72;
                     mc_mmr_repack<<<(unsigned) ((npieces + 255) / 256), 256>>>(
-                        scratch, copy, (int64_t) (g.k / QK4_0) * sizeof(block_q4_0), nquads, npieces, wgmma ? 1 : 0);
+                        scratch, copy, (int64_t) (g.k / QK4_0) * sizeof(block_q4_0), nquads, npieces,
+                        wgmma ? 1 : (mc_mmr_qmajor() ? 2 : 0));  // the layout the launches read
                 }
                 LAB_CHECK(cudaGetLastError());
                 float * d;

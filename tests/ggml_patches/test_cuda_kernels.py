@@ -153,8 +153,9 @@ def test_the_warpgroup_form_compiles_for_sm_90a_and_is_wired(patched, tmp_path):
     on = c_body(source, "static bool mc_mmw_on(")
     assert "mc_mmr_form() == 4 && mc_mmw_ok[device] == 2" in on
     assert "if (mc_mmw_on(ctx.device))" in c_body(source, "static bool mc_mmr_run(")
-    # the copies in the form's order exactly where the form runs them (the same test)
-    assert "npieces, mc_mmw_on(ctx.device) ? 1 : 0)" in source
+    # the copies in the form's order (layout 1) exactly where the form runs them (the same test); else
+    # patch 0038's quad-major layout where MC_MMR_QMAJOR asks for it
+    assert "mc_mmw_on(ctx.device) ? 1 : (mc_mmr_qmajor() ? 2 : 0));" in source
     prepare = c_body(source, "void ggml_cuda_mc_repack_prepare(")
     assert "cc == GGML_CUDA_CC_HOPPER" in prepare and "mc_mmw_probe<<<" in prepare
     assert prepare.index("mc_mmw_probe<<<") < prepare.index("cudaStreamSynchronize")

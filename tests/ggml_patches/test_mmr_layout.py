@@ -10,8 +10,12 @@ against the CPU backend (test-backend-ops with MC_MMH_REPACK=2)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
+
+from tests.ggml_patches.test_cuda_kernels import c_body
 
 TILE = 1152
 ROWS = 64  # MC_MMQ_ROWS
@@ -38,8 +42,9 @@ def dequant(w: np.ndarray, rows: int, k: int) -> np.ndarray:
     return (vals * d[:, :, None]).reshape(rows, k)
 
 
-def repack(src: np.ndarray, rows: int, k: int) -> np.ndarray:
-    """mc_mmr_repack, piece by piece."""
+def repack(src: np.ndarray, rows: int, k: int, qmajor: bool = False) -> np.ndarray:
+    """mc_mmr_repack, piece by piece: layout 0 (tile (mt, q) at mt * nquads + q) or, qmajor, layout 2
+    (patch 0038, MC_MMR_QMAJOR: at q * nmt + mt)."""
     nquads = k // 128
     row_bytes = k // 32 * 18
     flat = src.reshape(-1)
@@ -61,7 +66,7 @@ def repack(src: np.ndarray, rows: int, k: int) -> np.ndarray:
                 row = (16 * mt + g + 8 * h) * row_bytes + 4 * q * 18
                 for j in range(4):
                     out[8 * h + 2 * j : 8 * h + 2 * j + 2] = flat[row + j * 18 : row + j * 18 + 2]
-        at = tile * TILE + p * 16
+        at = ((q * (rows // 16) + mt) if qmajor else tile) * TILE + p * 16
         dst[at : at + 16] = out
     return dst
 
@@ -170,14 +175,24 @@ def reduce_warps(acc: np.ndarray, out: np.ndarray, row0: int, nr: int, ncols: in
 
 
 def run_kernel(
-    copy: np.ndarray, ybytes: np.ndarray, rows: int, k: int, ncols: int, nt: int, ks: int, bulk: bool = False
+    copy: np.ndarray,
+    ybytes: np.ndarray,
+    rows: int,
+    k: int,
+    ncols: int,
+    nt: int,
+    ks: int,
+    bulk: bool = False,
+    qmajor: bool = False,
 ) -> np.ndarray:
     """mc_mmr_q4_0 with one product, grid (row tiles, ks K slices); returns dst [ncols, rows]. bulk:
     MC_MMR_FORM=3 (lane 0 copies each row tile and the warp's activations as spans), else every
-    thread copies its own 16-byte pieces into its own slots."""
+    thread copies its own 16-byte pieces into its own slots. qmajor: MC_FLAG_QMAJOR, the copies in
+    layout 2 (the row tiles of a quad one tile apart; bulk: the block's row tiles one copy)."""
     ncp = 8 * nt
     nquads = k // 128
-    mt_stride = nquads * TILE
+    mt_stride = TILE if qmajor else nquads * TILE  # between the row tiles of a quad
+    q_stride = rows // 16 * TILE if qmajor else TILE  # between the quads of a row tile
     y_chunk = 16 * ncp * 64
     warp_stage = (9 + 4 * nt) * 512
     partial = np.zeros((ks, ncols, rows))
@@ -187,10 +202,15 @@ def run_kernel(
         for c in range(nchunks):
             for warp in range(WARPS):
                 st = np.zeros(warp_stage, np.uint8)  # this warp's stage
-                wsrc0 = (row0 // 16) * mt_stride + (4 * c_begin + warp) * TILE  # + lane * 16
+                wsrc0 = (row0 // 16) * mt_stride + (4 * c_begin + warp) * q_stride  # + lane * 16
                 ysrc0 = (4 * c_begin + warp) * 4 * ncp * 64
-                if bulk:
-                    w = wsrc0 + c * 4 * TILE
+                if bulk and qmajor:  # one run of the block's nmt row tiles
+                    w = wsrc0 + c * 4 * q_stride
+                    st[: nmt * TILE] = copy[w : w + nmt * TILE]
+                    yc = ysrc0 + c * y_chunk
+                    st[4 * TILE : 4 * TILE + 4 * nt * 512] = ybytes[yc : yc + 4 * nt * 512]
+                elif bulk:
+                    w = wsrc0 + c * 4 * q_stride
                     for m in range(nmt):
                         st[m * TILE : (m + 1) * TILE] = copy[w + m * mt_stride : w + m * mt_stride + TILE]
                     yc = ysrc0 + c * y_chunk
@@ -202,14 +222,14 @@ def run_kernel(
                         sm = lane // 8
                         ssrc = wsrc - lane * 16 + sm * mt_stride + 1024 + (lane % 8) * 16
                         ysrc = ysrc0 + lane * 16
-                        w = wsrc + c * 4 * TILE
+                        w = wsrc + c * 4 * q_stride
                         for m in range(4):
                             if m < nmt:
                                 for h in range(2):
                                     a0 = w + m * mt_stride + 512 * h
                                     st[mine + (2 * m + h) * 512 :][:16] = copy[a0 : a0 + 16]
                         if sm < nmt:
-                            a0 = ssrc + c * 4 * TILE
+                            a0 = ssrc + c * 4 * q_stride
                             st[mine + 8 * 512 :][:16] = copy[a0 : a0 + 16]
                         for j in range(4):
                             for n in range(nt):
@@ -223,28 +243,37 @@ def run_kernel(
     return partial.sum(axis=0)
 
 
+@pytest.mark.parametrize("qmajor", [False, True])
 @pytest.mark.parametrize("bulk", [False, True])
 @pytest.mark.parametrize(
     ("rows", "k", "ncols", "ks"),
     [(80, 1024, 12, 1), (48, 1024, 6, 2), (64, 512, 16, 1)],
 )
-def test_the_repacked_kernel_computes_the_product(rows, k, ncols, ks, bulk):
+def test_the_repacked_kernel_computes_the_product(rows, k, ncols, ks, bulk, qmajor):
     rng = np.random.default_rng(rows + k + ncols)
     w = q4_0_rows(rng, rows, k)
     x = rng.standard_normal((ncols, k)).astype(np.float32)
     nt = 1 if ncols <= 8 else 2
-    got = run_kernel(repack(w, rows, k), convert_y(x, 8 * nt), rows, k, ncols, nt, ks, bulk)
+    copy = repack(w, rows, k, qmajor)
+    got = run_kernel(copy, convert_y(x, 8 * nt), rows, k, ncols, nt, ks, bulk, qmajor)
     want = x.astype(np.float16).astype(np.float64) @ dequant(w, rows, k).T
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
 
 
-def test_the_repack_moves_every_byte_once():
-    """The tiles are a permutation of the matrix's bytes: same size, same multiset of bytes."""
+@pytest.mark.parametrize("qmajor", [False, True])
+def test_the_repack_moves_every_byte_once(qmajor):
+    """The tiles are a permutation of the matrix's bytes: same size, same multiset of bytes; in
+    layout 2 the same tiles as in layout 0, each at q * nmt + mt instead of mt * nquads + q."""
     rng = np.random.default_rng(7)
-    w = q4_0_rows(rng, 32, 512)
-    r = repack(w, 32, 512)
+    rows, k = 48, 1024
+    w = q4_0_rows(rng, rows, k)
+    r = repack(w, rows, k, qmajor)
     assert r.size == w.size
     assert np.array_equal(np.sort(r), np.sort(w.reshape(-1)))
+    if qmajor:
+        nmt, nquads = rows // 16, k // 128
+        tiles0 = repack(w, rows, k).reshape(nmt, nquads, TILE)
+        assert np.array_equal(r.reshape(nquads, nmt, TILE), tiles0.transpose(1, 0, 2))
 
 
 def ksplit_finish(partials: np.ndarray, ncols: int, nrows: int, row0: int, nr: int, e_n: int, u_n: int):
@@ -303,3 +332,29 @@ def test_the_batched_read_back_writes_each_output_once_in_slice_order(ncols, nr,
     assert np.array_equal(tile, ref[:, row0 : row0 + nr])
     assert np.isnan(np.delete(dst, np.s_[row0 : row0 + nr], axis=1)).all()
     assert len(order) == ncols * nr and all(v == list(range(ks)) for v in order.values())
+
+
+def test_the_source_reads_the_copies_as_emulated(patched):
+    """Patch 0038 (MC_MMR_QMAJOR): the statements the emulation above transcribes for layout 2, as the
+    kernel, the repack and the launchers have them; the copies are made in the layout the launches read."""
+    source = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
+    kernel = c_body(source, "static __global__ void mc_mmr_q4_0(")
+    for line in (
+        "const bool    qmajor    = (flags & MC_FLAG_QMAJOR) != 0;",
+        "const int64_t mt_stride = qmajor ? MC_MMR_TILE_BYTES : (int64_t) nquads * MC_MMR_TILE_BYTES;",
+        "qmajor ? (int64_t) (mc_pick(grp.nrows, seg) / 16) * MC_MMR_TILE_BYTES : MC_MMR_TILE_BYTES;",
+        "(int64_t) (4 * c_begin + warp) * q_stride + lane * 16;",
+        "const char * w = wtile + c * 4 * q_stride;",
+        "mc_bulk_copy(wstage + s * STAGE, w, nmt * MC_MMR_TILE_BYTES, &mc_bars[warp][s]);",
+        "const char * w = wsrc + c * 4 * q_stride;",
+        "mc_copy16(mine + s * STAGE + 8 * 512, ssrc + c * 4 * q_stride);",
+    ):
+        assert line in kernel, line
+    assert "at = (int64_t) q * nmt + mt;" in c_body(source, "static __global__ void mc_mmr_repack(")
+    assert "#define MC_FLAG_QMAJOR 4" in source and 'mc_env_int("MC_MMR_QMAJOR", 0, 1, 0)' in source
+    start = c_body(source, "static void mc_mmr_start(")
+    assert "flags | (mc_mmr_qmajor() ? MC_FLAG_QMAJOR : 0));" in start
+    # the copies: layout 1 for the warpgroup form (which then runs every launch), else 2 where set
+    assert "mc_mmw_on(ctx.device) ? 1 : (mc_mmr_qmajor() ? 2 : 0));" in source
+    lab = (Path(__file__).resolve().parents[2] / "bench" / "gpu" / "mmr_lab.cu").read_text()
+    assert "wgmma ? 1 : (mc_mmr_qmajor() ? 2 : 0));" in lab
