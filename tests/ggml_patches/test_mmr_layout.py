@@ -351,7 +351,7 @@ def test_the_source_reads_the_copies_as_emulated(patched):
     ):
         assert line in kernel, line
     assert "at = (int64_t) q * nmt + mt;" in c_body(source, "static __global__ void mc_mmr_repack(")
-    assert "#define MC_FLAG_QMAJOR 4" in source and 'mc_env_int("MC_MMR_QMAJOR", 0, 1, 0)' in source
+    assert "#define MC_FLAG_QMAJOR 4" in source and 'mc_env_int("MC_MMR_QMAJOR", 0, 1, 1)' in source
     start = c_body(source, "static void mc_mmr_start(")
     assert "flags | (mc_mmr_qmajor() ? MC_FLAG_QMAJOR : 0));" in start
     # the copies: layout 1 for the warpgroup form (which then runs every launch), else 2 where set
