@@ -21,7 +21,9 @@
 # series on top and an incremental rebuild (copied to $S/patched), so the two differ only by the
 # patches. The build and the model generation run in the background (setsid) and outlive a call;
 # every step leaves a marker file, so running the same command again resumes (a call that ends
-# with exit 3 asks for that).
+# with exit 3 asks for that). The state folder keeps the patch series and the builds it holds
+# (build-for.txt): a call from a tree with another series, or asking for a stock build the folder
+# does not have, is refused (exit 2) instead of measuring the old build.
 #
 # Settings (environment): MC_STATE (default /tmp/mcs), MC_CUDA_ARCH (default: this GPU's),
 # MC_SBS_BUILDS (stock,patched), MC_SBS_PROFILE (builds to profile with ncu, e.g. stock),
@@ -64,6 +66,25 @@ case $DRAWS in '' | *[!0-9]*) DRAWS_OK=0 ;; *) DRAWS_OK=$(( 10#$DRAWS >= 1 )) ;;
 DRAWS=$(( 10#$DRAWS ))
 # a command run DRAWS times, one process after another (each draw's JSON lines follow the last's)
 REPEAT=(bash -c 'n=$1; shift; for _ in $(seq "$n"); do "$@" || exit; done' draws "$DRAWS")
+# A state folder is measured as it stands once built: one built from another patch series, or without
+# the stock build this call asks for, would give that build's figures under this tree's commit (run
+# BD's third call measured the previous commit's patched-only build so). Refused before anything runs.
+ST=${MC_STATE:-/tmp/mcs}
+if [ -f "$ST/build-for.txt" ]; then
+  read -r HAD_HASH HAD_STOCK < "$ST/build-for.txt"
+  WANT_HASH=$(cd ggml-patches && python3 -c 'import build; print(build.series_hash())') || WANT_HASH=
+  case ",${MC_SBS_BUILDS:-stock,patched}," in *,stock,*) WANT_STOCK=1 ;; *) WANT_STOCK=0 ;; esac
+  AGAIN="use another MC_STATE (MC_BENCH_MODEL=<its model file> keeps the model) or remove it"
+  if [ -z "$WANT_HASH" ]; then
+    echo "cannot compute this tree's patch series hash (python3 ggml-patches/build.py)"; exit 2
+  elif [ "$WANT_HASH" != "$HAD_HASH" ]; then
+    echo "MC_STATE=$ST holds a build of patch series ${HAD_HASH:0:16}, this tree's is ${WANT_HASH:0:16}: $AGAIN"
+    exit 2
+  elif [ "$WANT_STOCK" = 1 ] && [ "$HAD_STOCK" != 1 ]; then
+    echo "MC_STATE=$ST was built without stock (MC_SBS_BUILDS=patched), this call measures stock: $AGAIN"
+    exit 2
+  fi
+fi
 SDIST=${MC_SDIST:-.device/llama_cpp_python-0.3.36.tar.gz}
 if [ ! -f "$SDIST" ]; then  # a machine with network: fetch the pinned sdist and pack it
   mkdir -p "$(dirname "$SDIST")" && python3 ggml-patches/build.py --pack-sdist "$SDIST" || { echo "no sdist at $SDIST"; exit 1; }
@@ -137,6 +158,7 @@ if [ ! -f "$S/build.started" ]; then
   cp bench/gpu/mc_gpu_bench.cpp "$S/"
   HASH=$(cd "$S/ggml-patches" && python3 -c 'import build; print(build.series_hash())')
   case ",$BUILDS," in *,stock,*) BUILD_STOCK=1 ;; *) BUILD_STOCK=0 ;; esac
+  echo "$HASH $BUILD_STOCK" > "$S/build-for.txt"  # what the state holds (checked by every later call)
   cat > "$S/build.sh" <<EOF
 set -u
 L=${SRCROOT}vendor/llama.cpp

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,3 +92,57 @@ def test_the_measuring_program_finds_its_libraries_beside_it(tmp_path):
             assert res.returncode == 0, res.stderr
         else:  # the old line: the program finds liba but not liba's libb
             assert res.returncode != 0 and "libb.so.0" in res.stderr, (res.returncode, res.stderr)
+
+
+def run_on_state(tmp_path: Path, held: str | None, builds: str) -> subprocess.CompletedProcess:
+    """The script on a state folder whose build-for.txt says held ("HASH STOCK"; None: no file), with
+    a python3 that computes the series hash (python3 -c) and fails at anything else, so a call past
+    the check stops at the missing sdist instead of fetching it."""
+    state = tmp_path / "state"
+    state.mkdir(parents=True, exist_ok=True)
+    if held is not None:
+        (state / "build-for.txt").write_text(held + "\n")
+    (state / "build.started").write_text("")
+    (tmp_path / "bin").mkdir(parents=True, exist_ok=True)
+    fake = tmp_path / "bin" / "python3"
+    fake.write_text(f'#!/bin/sh\n[ "$1" = -c ] && exec {sys.executable} "$@"\nexit 1\n')
+    fake.chmod(0o755)
+    env = {
+        **os.environ,
+        "OUT": str(tmp_path / "out"),
+        "MC_STATE": str(state),
+        "MC_SBS_BUILDS": builds,
+        "MC_SDIST": str(tmp_path / "missing" / "sdist.tar.gz"),
+        "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+    }
+    return subprocess.run(
+        ["bash", str(SCRIPT), "30"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_a_state_built_from_other_patches_or_without_stock_is_refused(tmp_path):
+    """A state folder built from another patch series, or without the stock build a call asks for, is
+    refused before anything runs (run BD measured a stale patched-only build under the next commit),
+    naming what to do; the state's files stay as they were."""
+    here = subprocess.run(
+        [sys.executable, "-c", "import build; print(build.series_hash())"],
+        cwd=ROOT / "ggml-patches",
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    other = "0" * 64
+    res = run_on_state(tmp_path, f"{other} 1", "stock,patched")
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert f"holds a build of patch series {other[:16]}, this tree's is {here[:16]}" in res.stdout
+    assert "use another MC_STATE" in res.stdout
+    res = run_on_state(tmp_path, f"{here} 0", "stock,patched")
+    assert res.returncode == 2 and "was built without stock (MC_SBS_BUILDS=patched)" in res.stdout, res.stdout
+    assert (tmp_path / "state" / "build-for.txt").read_text() == f"{here} 0\n"
+    assert not (tmp_path / "out").exists()  # nothing ran
+    # what the state holds serves the call: past the check (to the missing sdist)
+    for held, builds in ((f"{here} 0", "patched"), (f"{here} 1", "stock,patched"), (f"{here} 1", "patched")):
+        res = run_on_state(tmp_path, held, builds)
+        assert res.returncode == 1 and "no sdist at" in res.stdout, (held, builds, res.stdout)
+    res = run_on_state(tmp_path / "old", None, "stock,patched")  # a state from before the file
+    assert res.returncode == 1 and "no sdist at" in res.stdout, res.stdout
