@@ -1,10 +1,11 @@
-"""MC_MMV_L2_NEXT_MB (patch 0003, reworked by patch 0039): which later product's weights a launch asks
+"""MC_MMV_L2_NEXT_MB (patch 0003, reworked by patch 0039): which later products' weights a launch asks
 into L2 once its blocks are done, and which bytes. Emulated here as mc-mmv.cu has it: the graph's
 plan of the next Q4_0 products from each node (MC_NEXT_CANDIDATES of them, so that a grouped launch
 of up to MC_GROUP_MAX products finds the first one after its own), the choice of a request
-(mc_next_choose), its pieces (mc_next_pieces: spread evenly over the weights, or their first bytes),
-and the blocks' requests (mc_prefetch_next: each piece once, inside the weights). This machine has no
-GPU: whether it pays is measured in the graph (bench/NOTES.md)."""
+(mc_next_choose: the next product's bytes up to the budget, the rest of the budget from the one after
+it), its pieces (mc_next_pieces: spread evenly over each matrix, or its first bytes), and the blocks'
+requests (mc_prefetch_next: each piece once, inside the weights). This machine has no GPU: whether it
+pays is measured in the graph (bench/NOTES.md)."""
 
 from __future__ import annotations
 
@@ -31,21 +32,31 @@ def plan(nodes: list[str | None]) -> list[list[str | None]]:
     return out
 
 
+MC_NEXT_RANGES = 2
+
+
 def choose(
     here: list[str | None], own: list[str], sizes: dict[str, int], mb: int
-) -> tuple[str | None, int, int]:
-    """mc_next_choose: the first candidate that is none of the launch's own matrices, its bytes to
-    prefetch (at most mb MiB) and its span (both multiples of 16)."""
+) -> list[tuple[str, int, int]]:
+    """mc_next_choose: the candidates that are none of the launch's own matrices (nor the range before
+    again), in order, each with its bytes to prefetch and its span (multiples of 16), until the budget
+    (mb MiB) or MC_NEXT_RANGES ranges are used."""
+    left = mb << 20
+    out: list[tuple[str, int, int]] = []
     for c in here:
-        if c is None or c in own:
+        if len(out) == MC_NEXT_RANGES or left < 16:
+            break
+        if c is None or c in own or (out and out[-1][0] == c):
             continue
         span = sizes[c] // 16 * 16
-        return c, min(span, mb << 20) // 16 * 16, span
-    return None, 0, 0
+        total = min(span, left) // 16 * 16
+        out.append((c, total, span))
+        left -= total
+    return out
 
 
 def pieces(total: int, span: int, spread: bool) -> tuple[int, int, int]:
-    """mc_next_pieces: (stride, unit, pieces), (0, 0, 0) for no request."""
+    """mc_next_pieces for one range: (stride, unit, pieces), (0, 0, 0) for none."""
     if total < 16 or span < total:
         return 0, 0, 0
     unit = min(MC_NEXT_UNIT, total)
@@ -54,14 +65,23 @@ def pieces(total: int, span: int, spread: bool) -> tuple[int, int, int]:
     return stride, unit, n
 
 
-def requests(stride: int, unit: int, n: int, grid: tuple[int, int]) -> list[tuple[int, int]]:
-    """mc_prefetch_next over a launch's blocks: block b (blockIdx.y gridDim.x + blockIdx.x) asks for
-    pieces b, b + blocks, ... as (offset, bytes)."""
+def requests(ranges: list[tuple[int, int, int]], grid: tuple[int, int]) -> list[tuple[int, int, int]]:
+    """mc_prefetch_next over a launch's blocks, its two loops as written: block b (blockIdx.y gridDim.x
+    + blockIdx.x) asks for pieces b, b + blocks, ... of range 0, then goes on with the same step into
+    range 1's pieces; as (range, offset, bytes)."""
+    (s0, u0, n0), (s1, u1, n1) = (ranges + [(0, 0, 0)] * MC_NEXT_RANGES)[:MC_NEXT_RANGES]
     blocks = grid[0] * grid[1]
     out = []
     for by in range(grid[1]):
         for bx in range(grid[0]):
-            out += [(i * stride, unit) for i in range(by * grid[0] + bx, n, blocks)]
+            i = by * grid[0] + bx
+            while i < n0:
+                out.append((0, i * s0, u0))
+                i += blocks
+            i -= n0
+            while i < n1:
+                out.append((1, i * s1, u1))
+                i += blocks
     return out
 
 
@@ -95,13 +115,21 @@ def test_a_grouped_launch_asks_for_the_product_after_its_own():
     sizes = {n: 17_694_720 for n in nodes if n}
     qkv = nodes.index("l0.qkv")
     own = ["l0.qkv", "l0.z", "l0.beta", "l0.alpha"]
-    assert choose(here[qkv], own, sizes, 16)[0] == "l0.out"
+    mib = 1 << 20
+    assert choose(here[qkv], own, sizes, 16) == [("l0.out", 16 * mib, 17_694_720)]
+    # a budget past the output projection goes on into the gate
+    rest = 32 * mib - 17_694_720
+    assert choose(here[qkv], own, sizes, 32) == [
+        ("l0.out", 17_694_720, 17_694_720),
+        ("l0.gate", rest, 17_694_720),
+    ]
     # with two candidates, as before patch 0039, the group found only its own
-    assert choose(here[qkv][:2], own, sizes, 16)[0] is None
+    assert choose(here[qkv][:2], own, sizes, 16) == []
     # the fused gate + up asks for ffn_down (its gate's matrix is its own), ffn_down for the next layer
-    assert choose(here[nodes.index("l0.gate")], ["l0.gate", "l0.up"], sizes, 16)[0] == "l0.down"
-    assert choose(here[nodes.index("l0.down")], ["l0.down"], sizes, 16)[0] == "l1.qkv"
-    assert choose(here[len(nodes) - 1], ["l1.down"], sizes, 16)[0] is None  # the graph's last product
+    assert choose(here[nodes.index("l0.gate")], ["l0.gate", "l0.up"], sizes, 16)[0][0] == "l0.down"
+    assert choose(here[nodes.index("l0.down")], ["l0.down"], sizes, 16)[0][0] == "l1.qkv"
+    assert choose(here[len(nodes) - 1], ["l1.down"], sizes, 16) == []  # the graph's last product
+    assert choose(here[qkv], own, sizes, 0) == []  # MC_MMV_L2_NEXT_MB=0: nothing
 
 
 @pytest.mark.parametrize("spread", [True, False])
@@ -112,10 +140,14 @@ def test_each_piece_is_asked_once_inside_the_weights(spread, mb, span):
     stride, unit, n = pieces(total, span, spread)
     assert unit % 16 == 0 and stride % 16 == 0 and n * unit == total // unit * unit
     assert total - n * unit < unit  # all of the request but less than a piece
+    second = pieces(4096, 50_135_040, spread)  # a second range beside it
     for grid in [(264, 1), (640, 1), (80, 3), (1, 1)]:
-        got = requests(stride, unit, n, grid)
-        assert len(got) == n and len({off for off, _ in got}) == n
-        assert all(off % 16 == 0 and off >= 0 and off + b <= span for off, b in got)
+        for ranges in ([(stride, unit, n)], [(stride, unit, n), second]):
+            got = requests(ranges, grid)
+            assert len(got) == sum(r[2] for r in ranges) and len(set(got)) == len(got)
+            assert len({off for k, off, _ in got if k == 0}) == n
+            limit = (span, 50_135_040)
+            assert all(off % 16 == 0 and off >= 0 and off + b <= limit[k] for k, off, b in got)
     ends = sorted(i * stride for i in range(n))
     assert all(b - a >= unit for a, b in itertools.pairwise(ends))  # no byte twice
     if spread:  # evenly over the whole span: a piece every n-th of it, rounded down to 16 bytes
@@ -129,25 +161,36 @@ def test_the_source_is_what_is_emulated(patched):
     assert "#define MC_NEXT_CANDIDATES (MC_GROUP_MAX + 2)" in source
     assert f"#define MC_NEXT_UNIT {MC_NEXT_UNIT}" in source
     assert f"#define MC_GROUP_MAX {MC_GROUP_MAX}" in (patched / "ggml/src/ggml-cuda/mc-group.h").read_text()
+    assert f"#define MC_NEXT_RANGES {MC_NEXT_RANGES}" in source
     body = c_body(source, "static mc_next_args mc_next_pieces(")
     for line in (
-        "if (r.ptr == nullptr || r.total < 16 || r.span < r.total) {",
-        "a.unit   = std::min(MC_NEXT_UNIT, r.total);",
-        "a.pieces = r.total / a.unit;",
-        "a.stride = spread ? r.span / a.pieces / 16 * 16 : a.unit;",
+        "if (r.ptr[k] == nullptr || r.total[k] < 16 || r.span[k] < r.total[k]) {",
+        "a.unit[k]   = std::min(MC_NEXT_UNIT, r.total[k]);",
+        "a.pieces[k] = r.total[k] / a.unit[k];",
+        "a.stride[k] = spread ? r.span[k] / a.pieces[k] / 16 * 16 : a.unit[k];",
     ):
         assert line in body, line
     device = c_body(source, "static __device__ __forceinline__ void mc_prefetch_next(")
     for line in (
         "const int blocks = (int) (gridDim.x * gridDim.y);",
-        "for (int i = (int) (blockIdx.y * gridDim.x + blockIdx.x); i < pf.pieces; i += blocks) {",
-        "mc_prefetch_l2(pf.ptr + i * pf.stride, pf.unit);",
+        "int       i      = (int) (blockIdx.y * gridDim.x + blockIdx.x);",
+        "for (; i < pf.pieces[0]; i += blocks) {",
+        "mc_prefetch_l2(pf.ptr[0] + i * pf.stride[0], pf.unit[0]);",
+        "for (i -= pf.pieces[0]; i < pf.pieces[1]; i += blocks) {",
+        "mc_prefetch_l2(pf.ptr[1] + i * pf.stride[1], pf.unit[1]);",
     ):
         assert line in device, line
     chooser = c_body(source, "static mc_next_request mc_next_choose(")
-    assert "for (const ggml_tensor * c : mc_next_here.c) {" in chooser
-    assert "r.span  = (int64_t) ggml_nbytes(c) / 16 * 16;" in chooser
-    assert "r.total = (int) (std::min(r.span, (int64_t) mb << 20) / 16 * 16);" in chooser
+    for line in (
+        "int64_t         left = (int64_t) mc_next_mb() << 20;",
+        "if (k == MC_NEXT_RANGES || left < 16) {",
+        "(k > 0 && (const char *) c->data == r.ptr[k - 1])) {",
+        "for (const ggml_tensor * c : mc_next_here.c) {",
+        "r.span[k]  = (int64_t) ggml_nbytes(c) / 16 * 16;",
+        "r.total[k] = (int) (std::min(r.span[k], left) / 16 * 16);",
+        "left -= r.total[k];",
+    ):
+        assert line in chooser, line
     planner = c_body(source, "void ggml_cuda_mc_next_weights_plan(")
     assert "cur.c[k] = cur.c[k - 1];" in planner and "cur.c[0] = nd->src[0];" in planner
     assert 'mc_env_int("MC_MMV_L2_NEXT_SPREAD", 0, 1, 1) == 1' in source
