@@ -170,16 +170,26 @@ def test_the_source_is_what_is_emulated(patched):
         "a.stride[k] = spread ? r.span[k] / a.pieces[k] / 16 * 16 : a.unit[k];",
     ):
         assert line in body, line
-    device = c_body(source, "static __device__ __forceinline__ void mc_prefetch_next(")
+    device = c_body(source, "template <bool KEEP> static __device__ __forceinline__ void mc_prefetch_ranges(")
     for line in (
         "const int blocks = (int) (gridDim.x * gridDim.y);",
         "int       i      = (int) (blockIdx.y * gridDim.x + blockIdx.x);",
         "for (; i < pf.pieces[0]; i += blocks) {",
+        "KEEP ? mc_prefetch_l2_keep(pf.ptr[0] + i * pf.stride[0], pf.unit[0]) :",
         "mc_prefetch_l2(pf.ptr[0] + i * pf.stride[0], pf.unit[0]);",
         "for (i -= pf.pieces[0]; i < pf.pieces[1]; i += blocks) {",
+        "KEEP ? mc_prefetch_l2_keep(pf.ptr[1] + i * pf.stride[1], pf.unit[1]) :",
         "mc_prefetch_l2(pf.ptr[1] + i * pf.stride[1], pf.unit[1]);",
     ):
         assert line in device, line
+    # thread 0 of each block; a call (inlined, a verify kernel at its register bound spilled)
+    call = c_body(source, "static __device__ __noinline__ void mc_prefetch_next(const mc_next_args pf) {")
+    assert "if (threadIdx.x == 0) {" in call and "mc_prefetch_ranges<true>(pf);" in call
+    # MC_MMV_L2_NEXT_KEEP: the same requests with the lines evict_last, off until measured
+    keep = c_body(source, "static __device__ __forceinline__ void mc_prefetch_l2_keep(")
+    assert 'asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));' in keep
+    assert "cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" in keep
+    assert 'mc_env_int("MC_MMV_L2_NEXT_KEEP", 0, 1, 0)' in source
     chooser = c_body(source, "static mc_next_request mc_next_choose(")
     for line in (
         "int64_t         left = (int64_t) mc_next_mb() << 20;",
