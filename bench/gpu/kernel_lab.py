@@ -31,7 +31,9 @@ usage (on the GPU machine; nvcc):
   python3 bench/gpu/kernel_lab.py mmr --json OUT.json [--columns 16] [--setting base=]
       [--setting form1=MC_MMR_FORM=1] [--rounds 2] [--repeats 20]
   python3 bench/gpu/kernel_lab.py wg --json OUT.json [--wg 1,2] [--repeats 20]
-  common: [--sdist .device/llama_cpp_python-0.3.36.tar.gz | --src PATCHED/vendor/llama.cpp]"""
+  common: [--sdist .device/llama_cpp_python-0.3.36.tar.gz | --src PATCHED/vendor/llama.cpp]
+      [--without 0040] (the series less that patch: two calls, with and without it, A/B a patch that
+      has no setting of its own)"""
 
 from __future__ import annotations
 
@@ -174,11 +176,26 @@ def tokens_arg(text: str) -> list[int]:
     return values
 
 
-def patched_tree(sdist: Path, work: Path) -> Path:
-    """The sdist unpacked under work with the patch series applied; its vendor/llama.cpp."""
+def patched_tree(sdist: Path, work: Path, without: list[str] | None = None) -> Path:
+    """The sdist unpacked under work with the patch series applied, less the patches named in without
+    (a name or its number, e.g. 0040: the tree before that patch, for an A/B of a patch that has no
+    setting of its own); its vendor/llama.cpp."""
     build = load("mc_build_script", ROOT / "ggml-patches" / "build.py")
     top = build.unpack(sdist, work)
-    build.apply_series(top)
+    patch_dir = build.PATCH_DIR
+    if without:
+        names = [path.name for path in build.read_series(patch_dir)]
+        left = [n for n in names if not any(n == w or n.startswith(w + "-") for w in without)]
+        unknown = [w for w in without if not any(n == w or n.startswith(w + "-") for n in names)]
+        if unknown:
+            have = f"{names[0]} .. {names[-1]}"
+            raise SystemExit(f"--without {', '.join(unknown)}: not in the series (it has {have})")
+        patch_dir = work / "series-without"
+        (patch_dir / "patches").mkdir(parents=True)
+        (patch_dir / "series").write_text("".join(n + "\n" for n in left))
+        for n in left:
+            (patch_dir / "patches" / n).symlink_to(build.PATCH_DIR / "patches" / n)
+    build.apply_series(top, patch_dir)
     return top / "vendor" / "llama.cpp"
 
 
@@ -220,6 +237,12 @@ def main() -> None:
     ap.add_argument("--wg", default="1,2", help="wg: warpgroups a CTA to run, a comma list of 1 and 2")
     ap.add_argument("--sdist", default=".device/llama_cpp_python-0.3.36.tar.gz", help="the pinned sdist")
     ap.add_argument("--src", default="", help="an already patched vendor/llama.cpp (skips the sdist)")
+    ap.add_argument(
+        "--without",
+        action="append",
+        default=[],
+        help="leave this patch (its name or number, e.g. 0040) out of the series; repeatable",
+    )
     ap.add_argument("--nvcc", default=os.environ.get("NVCC", "nvcc"))
     ap.add_argument("--arch", default="90", help="CUDA arch to build for (90: H100 / H200)")
     ap.add_argument("--commit", default="", help="the tree's git commit, recorded in the JSON")
@@ -254,7 +277,7 @@ def main() -> None:
         if not Path(a.sdist).exists():
             hint = "python3 ggml-patches/build.py --pack-sdist ..."
             raise SystemExit(f"--sdist {a.sdist}: no such file ({hint})")
-        tree = patched_tree(Path(a.sdist), work)
+        tree = patched_tree(Path(a.sdist), work, a.without)
     exe = work / a.lab
     subprocess.run(compile_cmd(a.nvcc, tree, a.lab, exe, arch), check=True)
     try:
@@ -268,6 +291,7 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "commit": a.commit,
         "command": " ".join(sys.argv),
+        "without": a.without,
     }
     errors = []
 

@@ -241,3 +241,38 @@ def test_bad_driver_arguments_are_clear_errors(monkeypatch, tmp_path):
         with pytest.raises(SystemExit) as e:
             lab.main()
         assert msg in str(e.value)
+
+
+def test_a_patch_can_be_left_out_of_the_labs_tree(build_script, tmp_path):
+    """--without NNNN: the lab's tree is the series less that patch (an A/B of a patch with no setting
+    of its own, two calls); the last patch's changes are absent and the others' present; an unknown
+    patch is refused with the series' range."""
+    lab = load()
+    sdist = build_script.fetch_sdist(build_script.cache_root())
+    names = [p.name for p in build_script.read_series()]
+    last = names[-1]
+    number = last.split("-", 1)[0]
+    patch = (build_script.PATCH_DIR / "patches" / last).read_text()
+    added = next(
+        line[1:].strip()
+        for line in patch.splitlines()
+        if line.startswith("+") and not line.startswith("+++") and len(line.strip()) > 40
+    )
+
+    def cuda_sources(tree: Path) -> str:
+        return "\n".join(p.read_text(errors="replace") for p in (tree / "ggml/src/ggml-cuda").glob("*.cu"))
+
+    source = cuda_sources(lab.patched_tree(sdist, tmp_path / "without", [number]))
+    assert added not in source
+    before = names[-2]  # the patch before it still applied: a line it adds is there
+    prev = (build_script.PATCH_DIR / "patches" / before).read_text()
+    kept = next(
+        line[1:].strip()
+        for line in prev.splitlines()
+        if line.startswith("+") and not line.startswith("+++") and len(line.strip()) > 40
+    )
+    source_all = cuda_sources(lab.patched_tree(sdist, tmp_path / "all"))
+    assert added in source_all and kept in source and kept in source_all
+    with pytest.raises(SystemExit) as e:
+        lab.patched_tree(sdist, tmp_path / "bad", ["9999"])
+    assert f"--without 9999: not in the series (it has {names[0]} .. {last})" in str(e.value)
