@@ -219,10 +219,15 @@ def test_bulk_copies_land_on_128_byte_lines(patched):
     ):
         start = source.index(head)
         spans.append((start, source.index("\n}\n", start)))
-    calls = [m.start() for m in re.finditer(r"\bmc_bulk_copy\(", source)]
-    definition = source.index("void mc_bulk_copy(")
+    # (mc_bulk_copy_at, patch 0040, takes the barrier's address; mc_bulk_copy's body is one call of it)
+    calls = [m.start() for m in re.finditer(r"\bmc_bulk_copy(_at)?\(", source)]
+    helpers = [
+        source.index("void mc_bulk_copy(") + len("void "),
+        source.index("void mc_bulk_copy_at(") + len("void "),
+        source.index("mc_bulk_copy_at(dst, src, bytes, mc_smem_addr(bar));"),
+    ]
     inside = [c for c in calls if any(a < c < b for a, b in spans)]
-    assert len(calls) >= 7 and sorted([*inside, definition + len("void ")]) == calls
+    assert len(inside) >= 7 and sorted([*inside, *helpers]) == calls
 
 
 def test_the_k_slices_last_cta_loads_its_partials_together_in_slice_order(patched):
@@ -375,6 +380,18 @@ def c_body(source: str, head: str) -> str:
     brace at the start of a line."""
     start = source.index(head)
     return source[start : source.index("\n}\n", start)]
+
+
+def mmr_kernel(patched: Path) -> tuple[str, str]:
+    """mc-mmv.cu's text and the body of its verify kernel, mc_mmr_q4_0."""
+    source = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
+    return source, c_body(source, "static __global__ void mc_mmr_q4_0(")
+
+
+def assert_statements(body: str, lines: tuple[str, ...]) -> None:
+    """Each of lines is in body (a source's statements that a test's emulation transcribes)."""
+    for line in lines:
+        assert line in body, line
 
 
 @pytest.mark.parametrize("arch", ["90", "120"])

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.ggml_patches.test_cuda_kernels import c_body
+from tests.ggml_patches.test_cuda_kernels import assert_statements, c_body, mmr_kernel
 
 TILE = 1152
 ROWS = 64  # MC_MMQ_ROWS
@@ -337,19 +337,20 @@ def test_the_batched_read_back_writes_each_output_once_in_slice_order(ncols, nr,
 def test_the_source_reads_the_copies_as_emulated(patched):
     """Patch 0038 (MC_MMR_QMAJOR): the statements the emulation above transcribes for layout 2, as the
     kernel, the repack and the launchers have them; the copies are made in the layout the launches read."""
-    source = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
-    kernel = c_body(source, "static __global__ void mc_mmr_q4_0(")
-    for line in (
-        "const bool    qmajor    = (flags & MC_FLAG_QMAJOR) != 0;",
-        "const int64_t mt_stride = qmajor ? MC_MMR_TILE_BYTES : (int64_t) nquads * MC_MMR_TILE_BYTES;",
-        "qmajor ? (int64_t) (mc_pick(grp.nrows, seg) / 16) * MC_MMR_TILE_BYTES : MC_MMR_TILE_BYTES;",
-        "(int64_t) (4 * c_begin + warp) * q_stride + lane * 16;",
-        "const char * w = wtile + c * 4 * q_stride;",
-        "mc_bulk_copy(wstage + s * STAGE, w, nmt * MC_MMR_TILE_BYTES, &mc_bars[warp][s]);",
-        "const char * w = wsrc + c * 4 * q_stride;",
-        "mc_copy16(mine + s * STAGE + 8 * 512, ssrc + c * 4 * q_stride);",
-    ):
-        assert line in kernel, line
+    source, kernel = mmr_kernel(patched)
+    assert_statements(
+        kernel,
+        (
+            "const bool    qmajor    = (flags & MC_FLAG_QMAJOR) != 0;",
+            "const int64_t mt_stride = qmajor ? MC_MMR_TILE_BYTES : (int64_t) nquads * MC_MMR_TILE_BYTES;",
+            "qmajor ? (int64_t) (mc_pick(grp.nrows, seg) / 16) * MC_MMR_TILE_BYTES : MC_MMR_TILE_BYTES;",
+            "(int64_t) (4 * c_begin + warp) * q_stride + lane * 16;",
+            "const char * w = wtile + c * 4 * q_stride;",
+            "mc_bulk_copy_at(wstage + s * STAGE, w, nmt * MC_MMR_TILE_BYTES, bars + 8 * s);",
+            "const char * w = wsrc + c * 4 * q_stride;",
+            "mc_copy16(mine + s * STAGE + 8 * 512, ssrc + c * 4 * q_stride);",
+        ),
+    )
     assert "at = (int64_t) q * nmt + mt;" in c_body(source, "static __global__ void mc_mmr_repack(")
     assert "#define MC_FLAG_QMAJOR 4" in source and 'mc_env_int("MC_MMR_QMAJOR", 0, 1, 1)' in source
     start = c_body(source, "static void mc_mmr_start(")
