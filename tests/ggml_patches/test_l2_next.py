@@ -13,7 +13,7 @@ import itertools
 
 import pytest
 
-from tests.ggml_patches.test_cuda_kernels import c_body
+from tests.ggml_patches.test_cuda_kernels import assert_statements, c_body
 
 MC_GROUP_MAX = 4  # mc-group.h
 MC_NEXT_CANDIDATES = MC_GROUP_MAX + 2
@@ -156,22 +156,15 @@ def test_each_piece_is_asked_once_inside_the_weights(spread, mb, span):
         assert ends[-1] + unit == n * unit
 
 
-def test_the_source_is_what_is_emulated(patched):
-    source = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
-    assert "#define MC_NEXT_CANDIDATES (MC_GROUP_MAX + 2)" in source
-    assert f"#define MC_NEXT_UNIT {MC_NEXT_UNIT}" in source
-    assert f"#define MC_GROUP_MAX {MC_GROUP_MAX}" in (patched / "ggml/src/ggml-cuda/mc-group.h").read_text()
-    assert f"#define MC_NEXT_RANGES {MC_NEXT_RANGES}" in source
-    body = c_body(source, "static mc_next_args mc_next_pieces(")
-    for line in (
+# the statements of mc-mmv.cu the emulation above transcribes, by the head of their function
+STATEMENTS = {
+    "static mc_next_args mc_next_pieces(": (
         "if (r.ptr[k] == nullptr || r.total[k] < 16 || r.span[k] < r.total[k]) {",
         "a.unit[k]   = std::min(MC_NEXT_UNIT, r.total[k]);",
         "a.pieces[k] = r.total[k] / a.unit[k];",
         "a.stride[k] = spread ? r.span[k] / a.pieces[k] / 16 * 16 : a.unit[k];",
-    ):
-        assert line in body, line
-    device = c_body(source, "template <bool KEEP> static __device__ __forceinline__ void mc_prefetch_ranges(")
-    for line in (
+    ),
+    "template <bool KEEP> static __device__ __forceinline__ void mc_prefetch_ranges(": (
         "const int blocks = (int) (gridDim.x * gridDim.y);",
         "int       i      = (int) (blockIdx.y * gridDim.x + blockIdx.x);",
         "for (; i < pf.pieces[0]; i += blocks) {",
@@ -180,8 +173,28 @@ def test_the_source_is_what_is_emulated(patched):
         "for (i -= pf.pieces[0]; i < pf.pieces[1]; i += blocks) {",
         "KEEP ? mc_prefetch_l2_keep(pf.ptr[1] + i * pf.stride[1], pf.unit[1]) :",
         "mc_prefetch_l2(pf.ptr[1] + i * pf.stride[1], pf.unit[1]);",
-    ):
-        assert line in device, line
+    ),
+    "static mc_next_request mc_next_choose(": (
+        "int64_t         left = (int64_t) mc_next_mb() << 20;",
+        "if (k == MC_NEXT_RANGES || left < 16) {",
+        "(k > 0 && (const char *) c->data == r.ptr[k - 1])) {",
+        "for (const ggml_tensor * c : mc_next_here.c) {",
+        "r.span[k]  = (int64_t) ggml_nbytes(c) / 16 * 16;",
+        "r.total[k] = (int) (std::min(r.span[k], left) / 16 * 16);",
+        "left -= r.total[k];",
+    ),
+}
+
+
+def test_the_source_is_what_is_emulated(patched):
+    source = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
+    assert "#define MC_NEXT_CANDIDATES (MC_GROUP_MAX + 2)" in source
+    assert f"#define MC_NEXT_UNIT {MC_NEXT_UNIT}" in source
+    assert f"#define MC_GROUP_MAX {MC_GROUP_MAX}" in (patched / "ggml/src/ggml-cuda/mc-group.h").read_text()
+    assert f"#define MC_NEXT_RANGES {MC_NEXT_RANGES}" in source
+    # each function's statements that the emulation above transcribes
+    for head, lines in STATEMENTS.items():
+        assert_statements(c_body(source, head), lines)
     # thread 0 of each block; a call (inlined, a verify kernel at its register bound spilled)
     call = c_body(source, "static __device__ __noinline__ void mc_prefetch_next(const mc_next_args pf) {")
     assert "if (threadIdx.x == 0) {" in call and "mc_prefetch_ranges<true>(pf);" in call
@@ -190,17 +203,6 @@ def test_the_source_is_what_is_emulated(patched):
     assert 'asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));' in keep
     assert "cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" in keep
     assert 'mc_env_int("MC_MMV_L2_NEXT_KEEP", 0, 1, 0)' in source
-    chooser = c_body(source, "static mc_next_request mc_next_choose(")
-    for line in (
-        "int64_t         left = (int64_t) mc_next_mb() << 20;",
-        "if (k == MC_NEXT_RANGES || left < 16) {",
-        "(k > 0 && (const char *) c->data == r.ptr[k - 1])) {",
-        "for (const ggml_tensor * c : mc_next_here.c) {",
-        "r.span[k]  = (int64_t) ggml_nbytes(c) / 16 * 16;",
-        "r.total[k] = (int) (std::min(r.span[k], left) / 16 * 16);",
-        "left -= r.total[k];",
-    ):
-        assert line in chooser, line
     planner = c_body(source, "void ggml_cuda_mc_next_weights_plan(")
     assert "cur.c[k] = cur.c[k - 1];" in planner and "cur.c[0] = nd->src[0];" in planner
     assert 'mc_env_int("MC_MMV_L2_NEXT_SPREAD", 0, 1, 1) == 1' in source
