@@ -185,8 +185,12 @@ def patched_tree(sdist: Path, work: Path, without: list[str] | None = None) -> P
     patch_dir = build.PATCH_DIR
     if without:
         names = [path.name for path in build.read_series(patch_dir)]
-        left = [n for n in names if not any(n == w or n.startswith(w + "-") for w in without)]
-        unknown = [w for w in without if not any(n == w or n.startswith(w + "-") for n in names)]
+
+        def named(n: str, w: str) -> bool:  # w names patch n: its whole name or its number
+            return n == w or n.startswith(w + "-")
+
+        left = [n for n in names if not any(named(n, w) for w in without)]
+        unknown = [w for w in without if not any(named(n, w) for n in names)]
         if unknown:
             have = f"{names[0]} .. {names[-1]}"
             raise SystemExit(f"--without {', '.join(unknown)}: not in the series (it has {have})")

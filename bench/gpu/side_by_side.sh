@@ -69,10 +69,11 @@ REPEAT=(bash -c 'n=$1; shift; for _ in $(seq "$n"); do "$@" || exit; done' draws
 # A state folder is measured as it stands once built: one built from another patch series, or without
 # the stock build this call asks for, would give that build's figures under this tree's commit (run
 # BD's third call measured the previous commit's patched-only build so). Refused before anything runs.
+series_hash() { (cd "$1" && python3 -c 'import build; print(build.series_hash())'); }  # of a ggml-patches dir
 ST=${MC_STATE:-/tmp/mcs}
 if [ -f "$ST/build-for.txt" ]; then
   read -r HAD_HASH HAD_STOCK < "$ST/build-for.txt"
-  WANT_HASH=$(cd ggml-patches && python3 -c 'import build; print(build.series_hash())') || WANT_HASH=
+  WANT_HASH=$(series_hash ggml-patches) || WANT_HASH=
   case ",${MC_SBS_BUILDS:-stock,patched}," in *,stock,*) WANT_STOCK=1 ;; *) WANT_STOCK=0 ;; esac
   AGAIN="use another MC_STATE (MC_BENCH_MODEL=<its model file> keeps the model) or remove it"
   if [ -z "$WANT_HASH" ]; then
@@ -156,7 +157,7 @@ if [ ! -f "$S/build.started" ]; then
   SRCROOT=$(ls -d "$S"/src/*/ | head -1)
   rm -rf "$S/ggml-patches" && cp -r ggml-patches "$S/ggml-patches"
   cp bench/gpu/mc_gpu_bench.cpp "$S/"
-  HASH=$(cd "$S/ggml-patches" && python3 -c 'import build; print(build.series_hash())')
+  HASH=$(series_hash "$S/ggml-patches")
   case ",$BUILDS," in *,stock,*) BUILD_STOCK=1 ;; *) BUILD_STOCK=0 ;; esac
   echo "$HASH $BUILD_STOCK" > "$S/build-for.txt"  # what the state holds (checked by every later call)
   cat > "$S/build.sh" <<EOF

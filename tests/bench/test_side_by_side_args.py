@@ -13,25 +13,30 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu" / "side_by_side.sh"
 
 
-def run(draws: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    # MC_SDIST names a file that does not exist, so a run past the check stops at once ("no sdist")
-    # instead of fetching: the check's place before the sdist is part of what this asserts
-    env = {
+def run_script(tmp_path: Path, python3: str, **env: str) -> subprocess.CompletedProcess:
+    """side_by_side.sh with deadline 30 in tmp_path: OUT and MC_STATE there, env on top, MC_SDIST a file
+    that does not exist (a run past its checks stops at once, "no sdist", instead of fetching) and a
+    python3 first on the PATH whose sh body is python3 (so the sdist step cannot reach the network)."""
+    (tmp_path / "bin").mkdir(parents=True, exist_ok=True)
+    fake = tmp_path / "bin" / "python3"
+    fake.write_text(f"#!/bin/sh\n{python3}\n")
+    fake.chmod(0o755)
+    full = {
         **os.environ,
         "OUT": str(tmp_path / "out"),
         "MC_STATE": str(tmp_path / "state"),
-        "MC_SBS_DRAWS": draws,
         "MC_SDIST": str(tmp_path / "missing" / "sdist.tar.gz"),
         "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+        **env,
     }
-    # a python3 that fails, so the sdist step cannot reach the network
-    (tmp_path / "bin").mkdir(exist_ok=True)
-    fake = tmp_path / "bin" / "python3"
-    fake.write_text("#!/bin/sh\nexit 1\n")
-    fake.chmod(0o755)
     return subprocess.run(
-        ["bash", str(SCRIPT), "30"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+        ["bash", str(SCRIPT), "30"], cwd=ROOT, env=full, capture_output=True, text=True, timeout=60
     )
+
+
+def run(draws: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    # the check's place before the sdist is part of what this asserts; python3 fails at everything
+    return run_script(tmp_path, "exit 1", MC_SBS_DRAWS=draws)
 
 
 def test_bad_draws_are_refused_before_anything_runs(tmp_path):
@@ -103,21 +108,8 @@ def run_on_state(tmp_path: Path, held: str | None, builds: str) -> subprocess.Co
     if held is not None:
         (state / "build-for.txt").write_text(held + "\n")
     (state / "build.started").write_text("")
-    (tmp_path / "bin").mkdir(parents=True, exist_ok=True)
-    fake = tmp_path / "bin" / "python3"
-    fake.write_text(f'#!/bin/sh\n[ "$1" = -c ] && exec {sys.executable} "$@"\nexit 1\n')
-    fake.chmod(0o755)
-    env = {
-        **os.environ,
-        "OUT": str(tmp_path / "out"),
-        "MC_STATE": str(state),
-        "MC_SBS_BUILDS": builds,
-        "MC_SDIST": str(tmp_path / "missing" / "sdist.tar.gz"),
-        "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
-    }
-    return subprocess.run(
-        ["bash", str(SCRIPT), "30"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
-    )
+    python3 = f'[ "$1" = -c ] && exec {sys.executable} "$@"\nexit 1'
+    return run_script(tmp_path, python3, MC_SBS_BUILDS=builds)
 
 
 def test_a_state_built_from_other_patches_or_without_stock_is_refused(tmp_path):
