@@ -4,8 +4,11 @@ plan of the next Q4_0 products from each node (MC_NEXT_CANDIDATES of them, so th
 of up to MC_GROUP_MAX products finds the first one after its own), the choice of a request
 (mc_next_choose: the next product's bytes up to the budget, the rest of the budget from the one after
 it), its pieces (mc_next_pieces: spread evenly over each matrix, or its first bytes), and the blocks'
-requests (mc_prefetch_next: each piece once, inside the weights). This machine has no GPU: whether it
-pays is measured in the graph (bench/NOTES.md)."""
+requests (mc_prefetch_next: each piece once, inside the weights). Patch 0041 adds the gap rule
+(MC_MMV_L2_NEXT_GAP: a launch asks only where enough nodes that launch kernels lie between its last
+own product and the product it would ask for) and the per-thread form (MC_MMV_L2_NEXT_LSU: the same
+pieces as one prefetch instruction a line, handed out over every thread of the launch). This machine
+has no GPU: whether it pays is measured in the graph (bench/NOTES.md)."""
 
 from __future__ import annotations
 
@@ -20,34 +23,66 @@ MC_NEXT_CANDIDATES = MC_GROUP_MAX + 2
 MC_NEXT_UNIT = 2048
 
 
-def plan(nodes: list[str | None]) -> list[list[str | None]]:
+VIEW = "(view)"  # a node that launches no kernel (a view, a reshape, an empty tensor)
+
+
+def plan(nodes: list[str | None]) -> list[list[tuple[str | None, int]]]:
     """ggml_cuda_mc_next_weights_plan: for each node, the weights of the next MC_NEXT_CANDIDATES
-    products after it (a node is a product's weights' name or None for any other op)."""
-    out: list[list[str | None]] = [[] for _ in nodes]
-    cur: list[str | None] = [None] * MC_NEXT_CANDIDATES
+    products after it with their nodes' indices (a node is a product's weights' name, None for any
+    other op, VIEW for one that launches nothing)."""
+    out: list[list[tuple[str | None, int]]] = [[] for _ in nodes]
+    cur: list[tuple[str | None, int]] = [(None, 0)] * MC_NEXT_CANDIDATES
     for i in range(len(nodes) - 1, -1, -1):
         out[i] = list(cur)
-        if nodes[i] is not None:
-            cur = [nodes[i], *cur[:-1]]
+        if nodes[i] not in (None, VIEW):
+            cur = [(nodes[i], i), *cur[:-1]]
     return out
+
+
+def work(nodes: list[str | None]) -> list[int]:
+    """mc_next_work: [i] = the nodes before node i that launch kernels."""
+    out = [0]
+    for n in nodes:
+        out.append(out[-1] + (n != VIEW))
+    return out
+
+
+def gap(w: list[int], a: int, b: int) -> int:
+    """mc_next_gap: the nodes that launch kernels strictly between node a and node b."""
+    return w[b] - w[a + 1] if 0 <= a < b < len(w) else 0
 
 
 MC_NEXT_RANGES = 2
 
 
 def choose(
-    here: list[str | None], own: list[str], sizes: dict[str, int], mb: int
+    here: list[tuple[str | None, int]],
+    own: list[str],
+    sizes: dict[str, int],
+    mb: int,
+    at: int = -1,
+    w: list[int] | None = None,
+    gap_min: int = 0,
 ) -> list[tuple[str, int, int]]:
-    """mc_next_choose: the candidates that are none of the launch's own matrices (nor the range before
-    again), in order, each with its bytes to prefetch and its span (multiples of 16), until the budget
-    (mb MiB) or MC_NEXT_RANGES ranges are used."""
+    """mc_next_choose for a launch at node at: the candidates that are none of the launch's own
+    matrices (nor the range before again), in order, each with its bytes to prefetch and its span
+    (multiples of 16), until the budget (mb MiB) or MC_NEXT_RANGES ranges are used; nothing where
+    the first of them lies fewer than gap_min launching nodes after the launch's last own product."""
     left = mb << 20
     out: list[tuple[str, int, int]] = []
-    for c in here:
+    last = at
+    for c, node in here:
         if len(out) == MC_NEXT_RANGES or left < 16:
             break
-        if c is None or c in own or (out and out[-1][0] == c):
+        if c is None:
             continue
+        if c in own:
+            last = max(last, node)
+            continue
+        if out and out[-1][0] == c:
+            continue
+        if not out and gap(w or [], last, node) < gap_min:
+            return []
         span = sizes[c] // 16 * 16
         total = min(span, left) // 16 * 16
         out.append((c, total, span))
@@ -82,6 +117,29 @@ def requests(ranges: list[tuple[int, int, int]], grid: tuple[int, int]) -> list[
             while i < n1:
                 out.append((1, i * s1, u1))
                 i += blocks
+    return out
+
+
+def lines(ranges: list[tuple[int, int, int]], grid: tuple[int, int], threads: int, line: int):
+    """mc_prefetch_lines over a launch (MC_MMV_L2_NEXT_LSU): the lines of all pieces of both ranges
+    numbered in order, thread t of block b taking lines b threads + t, then every all-th; as (range,
+    offset) of each prefetch instruction."""
+    (s0, u0, n0), (s1, u1, n1) = (ranges + [(0, 0, 0)] * MC_NEXT_RANGES)[:MC_NEXT_RANGES]
+    per0, per1 = (u0 + line - 1) // line, (u1 + line - 1) // line
+    every = grid[0] * grid[1] * threads
+    out = []
+    for b in range(grid[0] * grid[1]):
+        for t in range(threads):
+            j = b * threads + t
+            while j < n0 * per0:
+                p = j // per0
+                out.append((0, p * s0 + (j - p * per0) * line))
+                j += every
+            j -= n0 * per0
+            while j < n1 * per1:
+                p = j // per1
+                out.append((1, p * s1 + (j - p * per1) * line))
+                j += every
     return out
 
 
@@ -132,6 +190,39 @@ def test_a_grouped_launch_asks_for_the_product_after_its_own():
     assert choose(here[qkv], own, sizes, 0) == []  # MC_MMV_L2_NEXT_MB=0: nothing
 
 
+def test_the_gap_rule_keeps_the_launches_before_long_runs_of_small_kernels():
+    layer = gdn_layer(0)
+    # the views between the group and its small kernels launch nothing: they do not count
+    nodes = [*layer[:5], VIEW, VIEW, *layer[5:], *gdn_layer(1)]
+    here, w = plan(nodes), work(nodes)
+    sizes = {n: 17_694_720 for n in nodes if n not in (None, VIEW)}
+    owns = {
+        "l0.qkv": ["l0.qkv", "l0.z", "l0.beta", "l0.alpha"],
+        "l0.out": ["l0.out"],
+        "l0.gate": ["l0.gate", "l0.up"],
+        "l0.down": ["l0.down"],
+    }
+    asks = {
+        gap_min: {
+            n: bool(choose(here[nodes.index(n)], own, sizes, 16, at=nodes.index(n), w=w, gap_min=gap_min))
+            for n, own in owns.items()
+        }
+        for gap_min in (0, 1, 2, 5, 6)
+    }
+    assert all(asks[0].values())  # 0: every launch asks (patch 0039)
+    # 5 small kernels after the grouped inputs (the views not counted); 1 after the output projection
+    # (add + norm), after the gate + up (the glu; the up's node is the launch's own) and after ffn_down
+    # (the next layer's norm)
+    assert asks[1] == {"l0.qkv": True, "l0.out": True, "l0.gate": True, "l0.down": True}
+    assert asks[2] == {"l0.qkv": True, "l0.out": False, "l0.gate": False, "l0.down": False}
+    assert asks[5] == {"l0.qkv": True, "l0.out": False, "l0.gate": False, "l0.down": False}
+    assert asks[6] == {"l0.qkv": False, "l0.out": False, "l0.gate": False, "l0.down": False}
+    # what the group asks for is unchanged by the rule where it asks
+    i = nodes.index("l0.qkv")
+    own = ["l0.qkv", "l0.z", "l0.beta", "l0.alpha"]
+    assert choose(here[i], own, sizes, 32, at=i, w=w, gap_min=5) == choose(here[i], own, sizes, 32)
+
+
 @pytest.mark.parametrize("spread", [True, False])
 @pytest.mark.parametrize("mb", [1, 8, 16, 32, 64])
 @pytest.mark.parametrize("span", [17_694_720, 50_135_040, 100_270_080, 2_949_120, 1_040, 16])
@@ -156,6 +247,24 @@ def test_each_piece_is_asked_once_inside_the_weights(spread, mb, span):
         assert ends[-1] + unit == n * unit
 
 
+@pytest.mark.parametrize("line", [128, 32])
+@pytest.mark.parametrize("mb", [1, 16, 32])
+def test_the_per_thread_form_asks_for_every_line_of_every_piece_once(line, mb):
+    span, span1 = 17_694_720, 100_270_080
+    total = min(span, mb << 20) // 16 * 16
+    first = pieces(total, span, True)
+    second = pieces(max(0, (mb << 20) - total) or 4096, span1, True)
+    for ranges in ([first], [first, second], [pieces(1_040, 1_040, True)]):
+        for grid, threads in [((264, 1), 256), ((640, 1), 128), ((3, 2), 32)]:
+            got = lines(ranges, grid, threads, line)
+            assert len(got) == len(set(got))  # each line once
+            for k, (stride, unit, n) in enumerate(ranges):
+                want = {p * stride + o for p in range(n) for o in range(0, unit, line)}
+                assert {off for r, off in got if r == k} == want  # every line of every piece
+                # each inside its piece, so inside the weights
+                assert all(off % 16 == 0 and off + min(line, unit) <= span1 for r, off in got if r == k)
+
+
 # the statements of mc-mmv.cu the emulation above transcribes, by the head of their function
 STATEMENTS = {
     "static mc_next_args mc_next_pieces(": (
@@ -176,12 +285,51 @@ STATEMENTS = {
     ),
     "static mc_next_request mc_next_choose(": (
         "int64_t         left = (int64_t) mc_next_mb() << 20;",
+        "int             last = mc_next_node;",
+        "for (int j = 0; j < MC_NEXT_CANDIDATES; ++j) {",
         "if (k == MC_NEXT_RANGES || left < 16) {",
-        "(k > 0 && (const char *) c->data == r.ptr[k - 1])) {",
-        "for (const ggml_tensor * c : mc_next_here.c) {",
+        "bool mine = (const char *) c->data == vgate;",
+        "last = std::max(last, mc_next_here.at[j]);",
+        "if ((uintptr_t) c->data % 16 != 0 || (k > 0 && (const char *) c->data == r.ptr[k - 1])) {",
+        "if (k == 0 && mc_next_gap(last, mc_next_here.at[j]) < mc_next_gap_min()) {",
         "r.span[k]  = (int64_t) ggml_nbytes(c) / 16 * 16;",
         "r.total[k] = (int) (std::min(r.span[k], left) / 16 * 16);",
         "left -= r.total[k];",
+    ),
+    "static int mc_next_gap(": (
+        "const bool in = a >= 0 && a < b && b < (int) mc_next_work.size();",
+        "return in ? mc_next_work[b] - mc_next_work[a + 1] : 0;",
+    ),
+    "static bool mc_next_launches(": (
+        "case GGML_OP_NONE:",
+        "case GGML_OP_VIEW:",
+        "case GGML_OP_RESHAPE:",
+        "case GGML_OP_PERMUTE:",
+        "case GGML_OP_TRANSPOSE:",
+        "return false;",
+        "return !ggml_is_empty(t);",
+    ),
+    "void ggml_cuda_mc_next_weights_plan(": (
+        "mc_next_work.assign(n + 1, 0);",
+        "mc_next_work[i + 1]    = mc_next_work[i] + (mc_next_launches(nd) ? 1 : 0);",
+        "cur.c[k]  = cur.c[k - 1];",
+        "cur.at[k] = cur.at[k - 1];",
+        "cur.c[0]  = nd->src[0];",
+        "cur.at[0] = i;",
+    ),
+    "template <bool KEEP> static __device__ __forceinline__ void mc_prefetch_lines(": (
+        "const int threads = (int) (blockDim.x * blockDim.y);",
+        "const int all     = (int) (gridDim.x * gridDim.y) * threads;",
+        "const int tid     = (int) (threadIdx.y * blockDim.x + threadIdx.x);",
+        "int       j       = (int) (blockIdx.y * gridDim.x + blockIdx.x) * threads + tid;",
+        "const int per0    = (pf.unit[0] + pf.line - 1) / pf.line;",
+        "const int per1    = (pf.unit[1] + pf.line - 1) / pf.line;",
+        "for (; j < pf.pieces[0] * per0; j += all) {",
+        "const int p = j / per0;",
+        "mc_prefetch_line<KEEP>(pf.ptr[0] + p * pf.stride[0] + (j - p * per0) * pf.line);",
+        "for (j -= pf.pieces[0] * per0; j < pf.pieces[1] * per1; j += all) {",
+        "const int p = j / per1;",
+        "mc_prefetch_line<KEEP>(pf.ptr[1] + p * pf.stride[1] + (j - p * per1) * pf.line);",
     ),
 }
 
@@ -195,16 +343,26 @@ def test_the_source_is_what_is_emulated(patched):
     # each function's statements that the emulation above transcribes
     for head, lines in STATEMENTS.items():
         assert_statements(c_body(source, head), lines)
-    # thread 0 of each block; a call (inlined, a verify kernel at its register bound spilled)
+    # thread 0 of each block, or every thread for the per-thread form; a call (inlined, a verify kernel
+    # at its register bound spilled)
     call = c_body(source, "static __device__ __noinline__ void mc_prefetch_next(const mc_next_args pf) {")
-    assert "if (threadIdx.x == 0) {" in call and "mc_prefetch_ranges<true>(pf);" in call
+    assert call.index("if (pf.line > 0) {") < call.index("mc_prefetch_lines<true>(pf);")
+    assert call.index("mc_prefetch_lines<false>(pf);") < call.index("} else if (threadIdx.x == 0) {")
+    assert call.index("} else if (threadIdx.x == 0) {") < call.index("mc_prefetch_ranges<true>(pf);")
+    line = c_body(source, "template <bool KEEP> static __device__ __forceinline__ void mc_prefetch_line(")
+    assert 'asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p) : "memory");' in line
+    assert 'asm volatile("prefetch.global.L2 [%0];" ::"l"(p) : "memory");' in line
+    # MC_MMV_L2_NEXT_LSU: 1 a line of 128 bytes, 2 a sector of 32; MC_MMV_L2_NEXT_GAP: 0 (every launch)
+    assert 'mc_env_int("MC_MMV_L2_NEXT_LSU", 0, 2, 0)' in source
+    assert "a.line                   = lsu == 1 ? 128 : lsu == 2 ? 32 : 0;" in source
+    assert 'mc_env_int("MC_MMV_L2_NEXT_GAP", 0, 1000, 0)' in source
+    at = c_body(source, "void ggml_cuda_mc_next_weights_at(")
+    assert "mc_next_node  = in ? node_index : -1;" in at
     # MC_MMV_L2_NEXT_KEEP: the same requests with the lines evict_last, off until measured
     keep = c_body(source, "static __device__ __forceinline__ void mc_prefetch_l2_keep(")
     assert 'asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));' in keep
     assert "cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" in keep
     assert 'mc_env_int("MC_MMV_L2_NEXT_KEEP", 0, 1, 0)' in source
-    planner = c_body(source, "void ggml_cuda_mc_next_weights_plan(")
-    assert "cur.c[k] = cur.c[k - 1];" in planner and "cur.c[0] = nd->src[0];" in planner
     assert 'mc_env_int("MC_MMV_L2_NEXT_SPREAD", 0, 1, 1) == 1' in source
     assert 'mc_env_int("MC_MMV_L2_NEXT_MB", 0, 64, 0)' in source  # off until measured
     # every launcher of a kernel that prefetches hands it the request; the persistent kernel too
