@@ -265,6 +265,15 @@ def test_the_per_thread_form_asks_for_every_line_of_every_piece_once(line, mb):
                 assert all(off % 16 == 0 and off + min(line, unit) <= span1 for r, off in got if r == k)
 
 
+# MC_MMV_L2_NEXT_*: name, range, default (measured in runs BE / BF: every one off, bench/NOTES.md)
+SETTINGS = (
+    '"MC_MMV_L2_NEXT_MB", 0, 64, 0',
+    '"MC_MMV_L2_NEXT_SPREAD", 0, 1, 1',
+    '"MC_MMV_L2_NEXT_KEEP", 0, 1, 0',
+    '"MC_MMV_L2_NEXT_LSU", 0, 2, 0',
+    '"MC_MMV_L2_NEXT_GAP", 0, 1000, 0',
+)
+
 # the statements of mc-mmv.cu the emulation above transcribes, by the head of their function
 STATEMENTS = {
     "static mc_next_args mc_next_pieces(": (
@@ -296,6 +305,18 @@ STATEMENTS = {
         "r.total[k] = (int) (std::min(r.span[k], left) / 16 * 16);",
         "left -= r.total[k];",
     ),
+    # the per-thread form's instruction (MC_MMV_L2_NEXT_KEEP: evict_last) and its line (LSU=1: 128
+    # bytes, 2: a 32-byte sector); the bulk form's evict_last request; the node being evaluated
+    "template <bool KEEP> static __device__ __forceinline__ void mc_prefetch_line(": (
+        'asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p) : "memory");',
+        'asm volatile("prefetch.global.L2 [%0];" ::"l"(p) : "memory");',
+    ),
+    "static mc_next_args mc_next_now(": ("a.line                   = lsu == 1 ? 128 : lsu == 2 ? 32 : 0;",),
+    "static __device__ __forceinline__ void mc_prefetch_l2_keep(": (
+        'asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));',
+        "cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;",
+    ),
+    "void ggml_cuda_mc_next_weights_at(": ("mc_next_node  = in ? node_index : -1;",),
     "static int mc_next_gap(": (
         "const bool in = a >= 0 && a < b && b < (int) mc_next_work.size();",
         "return in ? mc_next_work[b] - mc_next_work[a + 1] : 0;",
@@ -349,22 +370,9 @@ def test_the_source_is_what_is_emulated(patched):
     assert call.index("if (pf.line > 0) {") < call.index("mc_prefetch_lines<true>(pf);")
     assert call.index("mc_prefetch_lines<false>(pf);") < call.index("} else if (threadIdx.x == 0) {")
     assert call.index("} else if (threadIdx.x == 0) {") < call.index("mc_prefetch_ranges<true>(pf);")
-    line = c_body(source, "template <bool KEEP> static __device__ __forceinline__ void mc_prefetch_line(")
-    assert 'asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p) : "memory");' in line
-    assert 'asm volatile("prefetch.global.L2 [%0];" ::"l"(p) : "memory");' in line
-    # MC_MMV_L2_NEXT_LSU: 1 a line of 128 bytes, 2 a sector of 32; MC_MMV_L2_NEXT_GAP: 0 (every launch)
-    assert 'mc_env_int("MC_MMV_L2_NEXT_LSU", 0, 2, 0)' in source
-    assert "a.line                   = lsu == 1 ? 128 : lsu == 2 ? 32 : 0;" in source
-    assert 'mc_env_int("MC_MMV_L2_NEXT_GAP", 0, 1000, 0)' in source
-    at = c_body(source, "void ggml_cuda_mc_next_weights_at(")
-    assert "mc_next_node  = in ? node_index : -1;" in at
-    # MC_MMV_L2_NEXT_KEEP: the same requests with the lines evict_last, off until measured
-    keep = c_body(source, "static __device__ __forceinline__ void mc_prefetch_l2_keep(")
-    assert 'asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));' in keep
-    assert "cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" in keep
-    assert 'mc_env_int("MC_MMV_L2_NEXT_KEEP", 0, 1, 0)' in source
-    assert 'mc_env_int("MC_MMV_L2_NEXT_SPREAD", 0, 1, 1) == 1' in source
-    assert 'mc_env_int("MC_MMV_L2_NEXT_MB", 0, 64, 0)' in source  # off until measured
+    # the settings, their ranges and defaults: the budget, the gap rule, both request forms off
+    for setting in SETTINGS:
+        assert f"mc_env_int({setting})" in source, setting
     # every launcher of a kernel that prefetches hands it the request; the persistent kernel too
     assert source.count("mc_prefetch_next(pf);") == 3
     pmv = c_body(source, "static __global__ void mc_pmv_q4_0(")
