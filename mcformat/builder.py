@@ -21,7 +21,7 @@ from tqdm import tqdm
 from mcformat import metadata as mc
 from mcformat.convert import ConvertError, convert_checkpoint
 from mcformat.evaluate import CALIBRATION_FILES, Corpus, calibration_text, evaluate, stdlib_corpus
-from mcformat.quantize import FTYPES, compute_imatrix, quantize, quantize_with_imatrix
+from mcformat.quantize import DEFAULT_QUANTS, FTYPES, compute_imatrix, quantize, quantize_with_imatrix
 from mcformat.safetensors import SafetensorsError, read_header
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class BuildError(RuntimeError):
 class BuildPlan:
     source: Path
     out: Path
-    quants: tuple[str, ...] = ("Q8_0", "Q6_K", "Q4_K_M", "Q2_K")
+    quants: tuple[str, ...] = DEFAULT_QUANTS
     kv_types: tuple[str, ...] = ("f16", "q8_0", "q4_0")
     yarn_factors: tuple[float, ...] = (1.0,)
     n_ctx: int = 512

@@ -10,6 +10,9 @@ from pathlib import Path
 
 # llama_ftype values of llama.h for the quant types the builder offers
 FTYPES = {"Q8_0": 7, "Q6_K": 18, "Q5_K_M": 17, "Q4_K_M": 15, "Q4_0": 2, "Q3_K_M": 12, "Q2_K": 10}
+# what the weights builder makes unless told: Q4_0 is the quant the patched GPU kernels run (the server's
+# default on a GPU, orchestrator/models.py)
+DEFAULT_QUANTS = ("Q8_0", "Q6_K", "Q4_K_M", "Q4_0", "Q2_K")
 
 
 class QuantizeError(RuntimeError):

@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 
+from mcformat.quantize import DEFAULT_QUANTS
 from orchestrator import settings as settings_mod
 
 PLANNED = {
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         "source", help="Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json)"
     )
     bw.add_argument("--out", required=True, help="output folder (rerun with the same folder to resume)")
-    bw.add_argument("--quants", default="Q8_0,Q6_K,Q4_K_M,Q2_K", help="comma-separated quant types")
+    bw.add_argument("--quants", default=",".join(DEFAULT_QUANTS), help="comma-separated quant types")
     bw.add_argument("--kv", default="f16,q8_0,q4_0", help="KV cache types to evaluate")
     bw.add_argument("--yarn", default="1", help="YaRN factors to evaluate, e.g. 1,2,4")
     bw.add_argument("--ctx", type=int, default=512, help="evaluation chunk length in tokens")

