@@ -63,14 +63,18 @@ def choose(
     at: int = -1,
     w: list[int] | None = None,
     gap_min: int = 0,
+    skip: bool = False,
 ) -> list[tuple[str, int, int]]:
     """mc_next_choose for a launch at node at: the candidates that are none of the launch's own
     matrices (nor the range before again), in order, each with its bytes to prefetch and its span
     (multiples of 16), until the budget (mb MiB) or MC_NEXT_RANGES ranges are used; nothing where
-    the first of them lies fewer than gap_min launching nodes after the launch's last own product."""
+    the first of them lies fewer than gap_min launching nodes after the launch's last own product;
+    skip (MC_MMV_L2_NEXT_SKIP): the first passed over, each range at most half the budget."""
     left = mb << 20
+    share = left // MC_NEXT_RANGES if skip else left
     out: list[tuple[str, int, int]] = []
     last = at
+    passed = False
     for c, node in here:
         if len(out) == MC_NEXT_RANGES or left < 16:
             break
@@ -81,10 +85,14 @@ def choose(
             continue
         if out and out[-1][0] == c:
             continue
-        if not out and gap(w or [], last, node) < gap_min:
-            return []
+        if not passed:
+            if gap(w or [], last, node) < gap_min:
+                return []
+            passed = True
+            if skip:
+                continue
         span = sizes[c] // 16 * 16
-        total = min(span, left) // 16 * 16
+        total = min(span, left, share) // 16 * 16
         out.append((c, total, span))
         left -= total
     return out
@@ -223,6 +231,29 @@ def test_the_gap_rule_keeps_the_launches_before_long_runs_of_small_kernels():
     assert choose(here[i], own, sizes, 32, at=i, w=w, gap_min=5) == choose(here[i], own, sizes, 32)
 
 
+def test_skipping_passes_the_next_product_over_and_halves_the_budget():
+    """MC_MMV_L2_NEXT_SKIP (patch 0042): the output projection after a GDN layer's inputs requests its
+    own weights before its PDL wait, so the request goes to the FFN's gate and up, half the budget each;
+    the gap rule still looks at the gap before the next product."""
+    nodes = gdn_layer(0) + gdn_layer(1)
+    here, w = plan(nodes), work(nodes)
+    sizes = {n: 50_135_040 for n in nodes if n}
+    sizes["l0.out"] = 17_694_720
+    i = nodes.index("l0.qkv")
+    own = ["l0.qkv", "l0.z", "l0.beta", "l0.alpha"]
+    mib = 1 << 20
+    assert choose(here[i], own, sizes, 32, at=i, w=w, skip=True) == [
+        ("l0.gate", 16 * mib, 50_135_040),
+        ("l0.up", 16 * mib, 50_135_040),
+    ]
+    assert choose(here[i], own, sizes, 32, at=i, w=w, gap_min=5, skip=True)[0][0] == "l0.gate"
+    assert choose(here[i], own, sizes, 32, at=i, w=w, gap_min=6, skip=True) == []  # the gap before out
+    # a budget of 1 MiB: half of it each
+    assert [t for _, t, _ in choose(here[i], own, sizes, 1, at=i, w=w, skip=True)] == [mib // 2, mib // 2]
+    # without the setting: as before
+    assert choose(here[i], own, sizes, 32, at=i, w=w)[0] == ("l0.out", 17_694_720, 17_694_720)
+
+
 @pytest.mark.parametrize("spread", [True, False])
 @pytest.mark.parametrize("mb", [1, 8, 16, 32, 64])
 @pytest.mark.parametrize("span", [17_694_720, 50_135_040, 100_270_080, 2_949_120, 1_040, 16])
@@ -272,6 +303,7 @@ SETTINGS = (
     '"MC_MMV_L2_NEXT_KEEP", 0, 1, 0',
     '"MC_MMV_L2_NEXT_LSU", 0, 2, 0',
     '"MC_MMV_L2_NEXT_GAP", 0, 1000, 0',
+    '"MC_MMV_L2_NEXT_SKIP", 0, 1, 0',
 )
 
 # the statements of mc-mmv.cu the emulation above transcribes, by the head of their function
@@ -293,16 +325,21 @@ STATEMENTS = {
         "mc_prefetch_l2(pf.ptr[1] + i * pf.stride[1], pf.unit[1]);",
     ),
     "static mc_next_request mc_next_choose(": (
-        "int64_t         left = (int64_t) mc_next_mb() << 20;",
-        "int             last = mc_next_node;",
+        "int64_t         left   = (int64_t) mc_next_mb() << 20;",
+        "const int64_t   share  = mc_next_skip() ? left / MC_NEXT_RANGES : left;",
+        "int             last   = mc_next_node;",
+        "bool            passed = false;",
         "for (int j = 0; j < MC_NEXT_CANDIDATES; ++j) {",
         "if (k == MC_NEXT_RANGES || left < 16) {",
         "bool mine = (const char *) c->data == vgate;",
         "last = std::max(last, mc_next_here.at[j]);",
         "if ((uintptr_t) c->data % 16 != 0 || (k > 0 && (const char *) c->data == r.ptr[k - 1])) {",
-        "if (k == 0 && mc_next_gap(last, mc_next_here.at[j]) < mc_next_gap_min()) {",
+        "if (!passed) {",
+        "if (mc_next_gap(last, mc_next_here.at[j]) < mc_next_gap_min()) {",
+        "passed = true;",
+        "if (mc_next_skip()) {",
         "r.span[k]  = (int64_t) ggml_nbytes(c) / 16 * 16;",
-        "r.total[k] = (int) (std::min(r.span[k], left) / 16 * 16);",
+        "r.total[k] = (int) (std::min(r.span[k], std::min(left, share)) / 16 * 16);",
         "left -= r.total[k];",
     ),
     # the per-thread form's instruction (MC_MMV_L2_NEXT_KEEP: evict_last) and its line (LSU=1: 128
