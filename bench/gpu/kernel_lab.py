@@ -7,19 +7,19 @@ the side-by-side build, so a kernel change is timed in one short call. Writes JS
   gdn: bench/gpu/gdn_lab.cu, the Gated DeltaNet recurrence (stock, staged, MC_GDN_WIDE's "wide"), a
        step's 48 launches for each token count, outputs against the default kernel's and against the
        recurrence in double on the host.
-  mmr: bench/gpu/mmr_lab.cu, the Q4_0 products on the 27B's product groups, a step's 256 launches:
-       --columns 9..16 the verify step's 2-tile repacked tensor-core kernel (mc_mmr_q4_0), --columns 1
-       decode's dp4a kernel (mc_mmv_q4_0, the FFN's gate and up fused); under each --setting
-       (environment variables the kernels read, e.g. MC_MMR_FORM=1; MC_MMR_FORM=4, patch 0025's
-       warpgroup kernel, with --arch 90a), rounds in alternating order; each setting's output
-       checksums against the first setting's. With --columns 1 the library's persistent decode
-       kernel runs by default (patch 0031: each CTA streams whole rows through a ring of bulk-copy
-       stages; MC_MMV_PERSIST=0: mc_mmv_q4_0 throughout; MC_MMV_PERSIST_STAGES / _CTAS / _STAGE_KB /
-       _MIN_PIECES / _YSMEM; the groups it declines on the dp4a kernel), MC_LAB_PMV_COPIES=1 its
-       copies alone (a bound). A setting with MC_LAB_Q6K=1 (9..16 columns) times the verify step's
-       Q6_K output product alone instead (mc_mmq_q6_K on the 27B's 248,320 x 5,120 matrix, group
-       out_q6k; e.g. with MC_MMQ_Q6K_CARVEOUT=64 against without; MC_LAB_Q6K_HOST=1: each launch
-       followed by its outputs' copy to page-locked host memory, =2: the kernel writes that memory
+  mmr: bench/gpu/mmr_lab.cu, the Q4_0 products on the 27B's product groups, a step's 256 launches: --columns
+       9..16 the verify step's 2-tile repacked tensor-core kernel (mc_mmr_q4_0), --columns 1 decode's dp4a
+       kernel (mc_mmv_q4_0, the FFN's gate and up fused); under each --setting (environment variables the
+       kernels read, e.g. MC_MMR_FORM=1; MC_MMR_FORM=4, patch 0025's warpgroup kernel, with --arch 90a),
+       rounds in alternating order; each setting's output checksums against the first setting's, and (from the
+       weight bytes each launch reads) each group's and the step's rate in TB/s, to set against the machine's
+       copy bandwidth. With --columns 1 the library's persistent decode kernel runs by default (patch 0031:
+       each CTA streams whole rows through a ring of bulk-copy stages; MC_MMV_PERSIST=0: mc_mmv_q4_0
+       throughout; MC_MMV_PERSIST_STAGES / _CTAS / _STAGE_KB / _MIN_PIECES / _YSMEM; the groups it declines on
+       the dp4a kernel), MC_LAB_PMV_COPIES=1 its copies alone (a bound). A setting with MC_LAB_Q6K=1 (9..16
+       columns) times the verify step's Q6_K output product alone instead (mc_mmq_q6_K on the 27B's 248,320 x
+       5,120 matrix, group out_q6k; e.g. with MC_MMQ_Q6K_CARVEOUT=64 against without; MC_LAB_Q6K_HOST=1: each
+       launch followed by its outputs' copy to page-locked host memory, =2: the kernel writes that memory
        itself, patch 0035; the checksum then the host memory's).
   wg: bench/gpu/wg_lab.cu, a standalone prototype (not in the patch series) of the 16-column product on
        sm_90a's asynchronous warpgroup MMAs, on the same product groups, checked against a host
@@ -91,22 +91,28 @@ def gdn_table(rows: list[dict]) -> str:
 
 def mmr_summary(runs: dict[str, list[list[dict]]]) -> dict[str, dict]:
     """Each setting's step ms (mean, min, max over its runs), group us means and the largest relative
-    difference of its output checksums from the first setting's first run."""
+    difference of its output checksums from the first setting's first run; where the lab printed the
+    weight bytes a launch reads, each group's and the step's rate in TB/s (against the machine's
+    copy bandwidth: how far the products are from streaming)."""
     first = next(iter(runs.values()))[0]
     ref = {r["group"]: r for r in first if r["kind"] == "check"}
     out: dict[str, dict] = {}
     for name, rounds in runs.items():
         steps = [r["step_ms"] for run in rounds for r in run if r["kind"] == "step"]
         groups: dict[str, list[float]] = {}
+        sizes: dict[str, tuple[int, int]] = {}  # a group's bytes a launch and its launches a step
         worst = 0.0
         for run in rounds:
             for r in run:
                 if r["kind"] == "group":
                     groups.setdefault(r["group"], []).append(r["us"])
+                    if "bytes" in r:
+                        sizes[r["group"]] = (r["bytes"], r["launches"])
                 elif r["kind"] == "check" and r["group"] in ref:
                     for key in ("sum", "sumsq"):
                         base = ref[r["group"]][key]
                         worst = max(worst, abs(r[key] - base) / max(abs(base), 1e-30))
+        group_us = {g: sum(v) / len(v) for g, v in groups.items()}
         out[name] = {
             "step_ms": {
                 "mean": sum(steps) / len(steps),
@@ -116,14 +122,20 @@ def mmr_summary(runs: dict[str, list[list[dict]]]) -> dict[str, dict]:
             }
             if steps
             else None,
-            "group_us": {g: sum(v) / len(v) for g, v in groups.items()},
+            "group_us": group_us,
             "checksum_rel": worst,
         }
+        if sizes and steps:  # bytes / us = MB/s; / 1e6 = TB/s
+            out[name]["group_tb_s"] = {g: b / group_us[g] / 1e6 for g, (b, _) in sizes.items()}
+            step_bytes = sum(b * n for b, n in sizes.values())
+            out[name]["step_gb"] = step_bytes / 1e9
+            out[name]["step_tb_s"] = step_bytes / (out[name]["step_ms"]["mean"] * 1e9)
     return out
 
 
 def mmr_table(summary: dict[str, dict]) -> str:
-    lines = [f"{'setting':<14}{'step ms':>9}{'min':>9}{'max':>9}{'vs first':>10}{'checksum rel':>14}"]
+    head = f"{'setting':<14}{'step ms':>9}{'min':>9}{'max':>9}{'vs first':>10}{'checksum rel':>14}"
+    lines = [head + f"{'TB/s':>7}"]
     base = None
     for name, s in summary.items():
         st = s["step_ms"]
@@ -134,6 +146,7 @@ def mmr_table(summary: dict[str, dict]) -> str:
         lines.append(
             f"{name:<14}{st['mean']:>9.3f}{st['min']:>9.3f}{st['max']:>9.3f}"
             f"{100 * (st['mean'] / base - 1):>+9.1f}%{s['checksum_rel']:>14.2e}"
+            + (f"{s['step_tb_s']:>7.2f}" if "step_tb_s" in s else "")
         )
     return "\n".join(lines)
 

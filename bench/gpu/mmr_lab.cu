@@ -255,6 +255,17 @@ static std::vector<lab_group> lab_plan(const bool decode) {
     };
 }
 
+// the weight bytes a launch of a group reads (a decode step's FFN launch reads the gate's rows beside
+// the up's; the repacked copies of a verify step hold the same bytes as the Q4_0 rows)
+static int64_t lab_group_bytes(const lab_group & g, const bool decode) {
+    int64_t rows = 0;
+    for (const int r : g.rows) {
+        rows += r;
+    }
+    const int64_t mats = decode && std::string(g.name) == "ffn_gate_up" ? 2 : 1;
+    return mats * rows * (g.k / QK4_0) * (int64_t) sizeof(block_q4_0);
+}
+
 // a group's products' row counts (what the launch plans read of it)
 static mc_mm_group lab_rows_group(const lab_group & g) {
     mc_mm_group grp;
@@ -588,8 +599,9 @@ int main(int argc, char ** argv) {
         repeats, plan.size(), [&](size_t gi) { return plan[gi].launches; },
         [&](size_t gi, int l) { launch(gi, l % LAB_SETS); }, group_ms);
     for (size_t gi = 0; gi < plan.size(); gi++) {
-        printf("{\"kind\": \"group\", \"group\": \"%s\", \"launches\": %d, \"us\": %.3f}\n", plan[gi].name,
-               plan[gi].launches, 1000.0f * group_ms[gi] / (repeats * plan[gi].launches));
+        printf("{\"kind\": \"group\", \"group\": \"%s\", \"launches\": %d, \"us\": %.3f, \"bytes\": %lld}\n",
+               plan[gi].name, plan[gi].launches, 1000.0f * group_ms[gi] / (repeats * plan[gi].launches),
+               (long long) lab_group_bytes(plan[gi], decode));
     }
     printf("{\"kind\": \"step\", \"columns\": %d, \"form\": %d, \"blocks_per_sm\": %d, \"step_ms\": %.4f}\n", ncols,
            decode ? 0 : (bulk ? 3 : 1), decode ? 0 : occupancy, step_ms);

@@ -70,10 +70,11 @@ def test_the_wg_table_names_the_layout_the_checks_and_the_step():
     )
 
 
-def mmr_run(step: float, total: float, group_us: float = 10.0) -> list[dict]:
+def mmr_run(step: float, total: float, group_us: float = 10.0, nbytes: int | None = None) -> list[dict]:
+    group = {"kind": "group", "group": "out", "launches": 64, "us": group_us}
     return [
         {"kind": "check", "group": "out", "k_slices": 3, "sum": total, "sumsq": 4.0},
-        {"kind": "group", "group": "out", "launches": 64, "us": group_us},
+        group if nbytes is None else {**group, "bytes": nbytes},
         {"kind": "step", "columns": 16, "form": 3, "blocks_per_sm": 2, "step_ms": step},
     ]
 
@@ -93,6 +94,18 @@ def test_the_mmr_summary_compares_settings_by_time_and_checksum():
     assert s["bad"]["step_ms"] is None
     text = lab.mmr_table(s)
     assert "-18.0%" in text and "failed" in text
+    assert "step_tb_s" not in s["base"]  # a lab that printed no bytes: no rate
+
+
+def test_the_mmr_summary_gives_the_products_rate_from_the_labs_bytes():
+    lab = load()
+    # the 27B's output projection: 5,120 rows of K = 6,144 in Q4_0 (18-byte blocks of 32), 64 a step
+    out_bytes = 5120 * (6144 // 32) * 18
+    s = lab.mmr_summary({"base": [mmr_run(2.0, 2.0, 7.0, out_bytes)]})["base"]
+    assert s["group_tb_s"]["out"] == pytest.approx(out_bytes / 7e-6 / 1e12)  # ~2.53 TB/s
+    assert s["step_gb"] == pytest.approx(64 * out_bytes / 1e9)
+    assert s["step_tb_s"] == pytest.approx(64 * out_bytes / 2e-3 / 1e12)
+    assert f"{s['step_tb_s']:.2f}" in lab.mmr_table({"base": s})
 
 
 @pytest.fixture(scope="module")
