@@ -30,33 +30,24 @@ class ModelEntry:
     filename: str = ""
 
 
+MC_REPO = "megacapybara/Qwen3.8-27B-MC-GGUF"  # the planned home of the MC weights (not published yet)
+
+
+def _mc_weights(name: str, quant: str, note: str = "") -> ModelEntry:
+    """One quant of the Qwen3.8 27B MC weights: every quant one file of the same repository."""
+    title = f"Qwen3.8 27B, MC weights {quant}{note}"
+    return ModelEntry(name, title, "huggingface", repo_id=MC_REPO, filename=f"Qwen3.8-27B-MC-{quant}.gguf")
+
+
 REGISTRY = {
     e.name: e
     for e in (
         ModelEntry(
             "gemma3-270m", "Gemma 3 270M Q4_K_M (bundled)", "bundled", filename="gemma-3-270m-q4_k_m.gguf"
         ),
-        ModelEntry(
-            "qwen3.8-27b-mc-q4_0",
-            "Qwen3.8 27B, MC weights Q4_0 (the patched GPU kernels' format)",
-            "huggingface",
-            repo_id="megacapybara/Qwen3.8-27B-MC-GGUF",
-            filename="Qwen3.8-27B-MC-Q4_0.gguf",
-        ),
-        ModelEntry(
-            "qwen3.8-27b-mc",
-            "Qwen3.8 27B, MC weights Q4_K_M",
-            "huggingface",
-            repo_id="megacapybara/Qwen3.8-27B-MC-GGUF",
-            filename="Qwen3.8-27B-MC-Q4_K_M.gguf",
-        ),
-        ModelEntry(
-            "qwen3.8-27b-mc-q8_0",
-            "Qwen3.8 27B, MC weights Q8_0 (near lossless)",
-            "huggingface",
-            repo_id="megacapybara/Qwen3.8-27B-MC-GGUF",
-            filename="Qwen3.8-27B-MC-Q8_0.gguf",
-        ),
+        _mc_weights("qwen3.8-27b-mc-q4_0", "Q4_0", " (the patched GPU kernels' format)"),
+        _mc_weights("qwen3.8-27b-mc", "Q4_K_M"),
+        _mc_weights("qwen3.8-27b-mc-q8_0", "Q8_0", " (near lossless)"),
         ModelEntry(
             "tiny-qwen35", "tiny random-weight qwen35 (tests)", "generated", filename="tiny-qwen35-bf16.gguf"
         ),
