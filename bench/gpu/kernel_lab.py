@@ -21,6 +21,15 @@ the side-by-side build, so a kernel change is timed in one short call. Writes JS
        5,120 matrix, group out_q6k; e.g. with MC_MMQ_Q6K_CARVEOUT=64 against without; MC_LAB_Q6K_HOST=1: each
        launch followed by its outputs' copy to page-locked host memory, =2: the kernel writes that memory
        itself, patch 0035; the checksum then the host memory's).
+  pstep: bench/gpu/pstep_lab.cu, a standalone prototype (not in the patch series) of a decode step's
+       products with no launch boundaries: the 27B's 256 product tasks (13.7 GB of distinct weights)
+       on persistent CTAs (the library's piece plan and arithmetic), one ring of bulk-copy stages across
+       the tasks, a grid barrier where the small kernels would run, its wait lengthened by
+       MC_LAB_PSTEP_GAP_NS / MC_LAB_PSTEP_CORE_NS (after every task / after each layer's input group) to
+       model their time; MC_LAB_PSTEP_SCOPE 0 / 1 / 2 (a launch per task / layer / the step),
+       MC_LAB_PSTEP_STAGES, _STAGE_KB, _CTAS, MC_LAB_PSTEP_MATH=0 (the copies alone: a bound); settings
+       and rounds as mmr's; each group's outputs against a reference in double (ref rel), the step's
+       ms and TB/s.
   wg: bench/gpu/wg_lab.cu, a standalone prototype (not in the patch series) of the 16-column product on
        sm_90a's asynchronous warpgroup MMAs, on the same product groups, checked against a host
        reference (which of the descriptor's two stride fields is which, tried both ways), for --wg 1
@@ -30,6 +39,8 @@ usage (on the GPU machine; nvcc):
   python3 bench/gpu/kernel_lab.py gdn --json OUT.json [--tokens 1,16] [--repeats 50]
   python3 bench/gpu/kernel_lab.py mmr --json OUT.json [--columns 16] [--setting base=]
       [--setting form1=MC_MMR_FORM=1] [--rounds 2] [--repeats 20]
+  python3 bench/gpu/kernel_lab.py pstep --json OUT.json [--setting gap5=MC_LAB_PSTEP_GAP_NS=5000]
+      [--rounds 2] [--repeats 20]
   python3 bench/gpu/kernel_lab.py wg --json OUT.json [--wg 1,2] [--repeats 20]
   common: [--sdist .device/llama_cpp_python-0.3.36.tar.gz | --src PATCHED/vendor/llama.cpp]
       [--without 0040] (the series less that patch: two calls, with and without it, A/B a patch that
@@ -51,7 +62,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 STUB = ROOT / "tests" / "ggml_patches" / "cuda_stub"  # cuBLAS names for a toolkit without cuBLAS
-LABS = {"gdn": "gdn_lab.cu", "mmr": "mmr_lab.cu", "wg": "wg_lab.cu"}
+LABS = {"gdn": "gdn_lab.cu", "mmr": "mmr_lab.cu", "pstep": "pstep_lab.cu", "wg": "wg_lab.cu"}
 
 
 def load(name: str, path: Path):
@@ -93,7 +104,9 @@ def mmr_summary(runs: dict[str, list[list[dict]]]) -> dict[str, dict]:
     """Each setting's step ms (mean, min, max over its runs), group us means and the largest relative
     difference of its output checksums from the first setting's first run; where the lab printed the
     weight bytes a launch reads, each group's and the step's rate in TB/s (against the machine's
-    copy bandwidth: how far the products are from streaming)."""
+    copy bandwidth: how far the products are from streaming), or from the step's bytes where the lab
+    printed them (pstep: one launch, no group times); the largest difference from the lab's reference
+    in double where it printed one (ref_rel)."""
     first = next(iter(runs.values()))[0]
     ref = {r["group"]: r for r in first if r["kind"] == "check"}
     out: dict[str, dict] = {}
@@ -102,6 +115,8 @@ def mmr_summary(runs: dict[str, list[list[dict]]]) -> dict[str, dict]:
         groups: dict[str, list[float]] = {}
         sizes: dict[str, tuple[int, int]] = {}  # a group's bytes a launch and its launches a step
         worst = 0.0
+        printed = [r["bytes"] for run in rounds for r in run if r["kind"] == "step" and "bytes" in r]
+        ref_rel = [r["ref_rel"] for run in rounds for r in run if r["kind"] == "check" and "ref_rel" in r]
         for run in rounds:
             for r in run:
                 if r["kind"] == "group":
@@ -130,12 +145,18 @@ def mmr_summary(runs: dict[str, list[list[dict]]]) -> dict[str, dict]:
             step_bytes = sum(b * n for b, n in sizes.values())
             out[name]["step_gb"] = step_bytes / 1e9
             out[name]["step_tb_s"] = step_bytes / (out[name]["step_ms"]["mean"] * 1e9)
+        elif printed and steps:
+            out[name]["step_gb"] = printed[0] / 1e9
+            out[name]["step_tb_s"] = printed[0] / (out[name]["step_ms"]["mean"] * 1e9)
+        if ref_rel:
+            out[name]["ref_rel"] = max(ref_rel)
     return out
 
 
 def mmr_table(summary: dict[str, dict]) -> str:
     head = f"{'setting':<14}{'step ms':>9}{'min':>9}{'max':>9}{'vs first':>10}{'checksum rel':>14}"
-    lines = [head + f"{'TB/s':>7}"]
+    refs = any("ref_rel" in s for s in summary.values())
+    lines = [head + f"{'TB/s':>7}" + (f"{'ref rel':>10}" if refs else "")]
     base = None
     for name, s in summary.items():
         st = s["step_ms"]
@@ -147,6 +168,7 @@ def mmr_table(summary: dict[str, dict]) -> str:
             f"{name:<14}{st['mean']:>9.3f}{st['min']:>9.3f}{st['max']:>9.3f}"
             f"{100 * (st['mean'] / base - 1):>+9.1f}%{s['checksum_rel']:>14.2e}"
             + (f"{s['step_tb_s']:>7.2f}" if "step_tb_s" in s else "")
+            + (f"{s['ref_rel']:>10.2e}" if "ref_rel" in s else "")
         )
     return "\n".join(lines)
 
@@ -245,12 +267,14 @@ def main() -> None:
     ap.add_argument("lab", choices=sorted(LABS), help="which lab")
     ap.add_argument("--json", required=True, help="where to write the results")
     ap.add_argument(
-        "--repeats", type=int, default=0, help="timed steps a run (default: gdn 50, mmr 20, wg 20)"
+        "--repeats", type=int, default=0, help="timed steps a run (default: gdn 50, mmr 20, pstep 20, wg 20)"
     )
     ap.add_argument("--tokens", default="1,16", help="gdn: token counts (each 1..2048; 512: a prompt ubatch)")
     ap.add_argument("--columns", type=int, default=16, help="mmr: columns of the product (1 or 9..16)")
-    ap.add_argument("--setting", action="append", default=[], help="mmr: NAME=VAR=VALUE[,VAR=VALUE...]")
-    ap.add_argument("--rounds", type=int, default=2, help="mmr: rounds over the settings")
+    ap.add_argument(
+        "--setting", action="append", default=[], help="mmr, pstep: NAME=VAR=VALUE[,VAR=VALUE...]"
+    )
+    ap.add_argument("--rounds", type=int, default=2, help="mmr, pstep: rounds over the settings")
     ap.add_argument("--wg", default="1,2", help="wg: warpgroups a CTA to run, a comma list of 1 and 2")
     ap.add_argument("--sdist", default=".device/llama_cpp_python-0.3.36.tar.gz", help="the pinned sdist")
     ap.add_argument("--src", default="", help="an already patched vendor/llama.cpp (skips the sdist)")
@@ -265,7 +289,7 @@ def main() -> None:
     ap.add_argument("--commit", default="", help="the tree's git commit, recorded in the JSON")
     ap.add_argument("--timeout", type=float, default=240, help="seconds a run of the program may take")
     a = ap.parse_args()
-    repeats = a.repeats or {"gdn": 50, "mmr": 20, "wg": 20}[a.lab]
+    repeats = a.repeats or {"gdn": 50, "mmr": 20, "pstep": 20, "wg": 20}[a.lab]
     if repeats < 1:
         raise SystemExit(f"--repeats {a.repeats}: must be at least 1")
     if not a.arch.rstrip("a").isdigit():
@@ -274,8 +298,8 @@ def main() -> None:
     wgs = wg_arg(a.wg) if a.lab == "wg" else []
     arch = "90a" if a.lab == "wg" else a.arch  # wgmma exists on sm_90a only
     settings: dict[str, dict[str, str]] = {}
-    if a.lab == "mmr":
-        if a.columns != 1 and not 9 <= a.columns <= 16:
+    if a.lab in ("mmr", "pstep"):
+        if a.lab == "mmr" and a.columns != 1 and not 9 <= a.columns <= 16:
             raise SystemExit(f"--columns {a.columns}: 1 (decode's kernel) or 9..16 (the verify step's)")
         if a.rounds < 1:
             raise SystemExit(f"--rounds {a.rounds}: must be at least 1")
@@ -330,10 +354,12 @@ def main() -> None:
         names = list(settings)
         for rnd in range(a.rounds):
             for name in names if rnd % 2 == 0 else names[::-1]:
-                res = run([str(exe), str(repeats), str(a.columns)], a.timeout, settings[name])
+                cols = [str(a.columns)] if a.lab == "mmr" else []
+                res = run([str(exe), str(repeats), *cols], a.timeout, settings[name])
                 runs[name].append(parse(res.stdout.splitlines()))
                 if res.returncode != 0:
-                    errors.append(f"mmr_lab ({name}) exited {res.returncode}: {res.stderr.strip()[-1000:]}")
+                    tail = res.stderr.strip()[-1000:]
+                    errors.append(f"{a.lab}_lab ({name}) exited {res.returncode}: {tail}")
         out["settings"] = settings
         out["runs"] = runs
         out["summary"] = mmr_summary(runs)

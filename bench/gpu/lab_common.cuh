@@ -142,3 +142,88 @@ void ggml_log_internal(enum ggml_log_level, const char * format, ...) {
     va_end(args);
 }
 #endif
+
+#ifdef LAB_MMV
+// LAB_MMV, the labs that include mc-mmv.cu (mmr_lab.cu, pstep_lab.cu): the rest of its launchers' host
+// dependencies, never called by a lab, and the random weights and activations both labs fill
+void quantize_row_q8_1_cuda(const float *, const int32_t *, void *, ggml_type, int64_t, int64_t, int64_t, int64_t,
+                            int64_t, int64_t, int64_t, int64_t, cudaStream_t) {
+    lab_unreachable("quantize_row_q8_1_cuda");
+}
+std::unique_ptr<ggml_cuda_pool> ggml_backend_cuda_context::new_pool_for_device(int, int) {
+    lab_unreachable("new_pool_for_device");
+}
+ggml_backend_buffer_type_t ggml_backend_buffer_get_type(ggml_backend_buffer_t) {
+    lab_unreachable("ggml_backend_buffer_get_type");
+}
+enum ggml_backend_buffer_usage ggml_backend_buffer_get_usage(ggml_backend_buffer_t) {
+    lab_unreachable("ggml_backend_buffer_get_usage");
+}
+ggml_backend_buffer_type_t ggml_backend_cuda_buffer_type(int) {
+    lab_unreachable("ggml_backend_cuda_buffer_type");
+}
+int ggml_graph_n_nodes(struct ggml_cgraph *) {
+    lab_unreachable("ggml_graph_n_nodes");
+}
+struct ggml_tensor * ggml_graph_node(struct ggml_cgraph *, int) {
+    lab_unreachable("ggml_graph_node");
+}
+bool ggml_is_empty(const struct ggml_tensor *) {
+    lab_unreachable("ggml_is_empty");
+}
+size_t ggml_nbytes(const struct ggml_tensor *) {
+    lab_unreachable("ggml_nbytes");
+}
+size_t ggml_row_size(enum ggml_type, int64_t) {
+    lab_unreachable("ggml_row_size");
+}
+
+// random Q4_0 blocks: quants from a hash, scales small positive f16 (finite sums)
+static __global__ void lab_fill_q4_0(block_q4_0 * w, const int64_t nblocks, const uint32_t seed) {
+    const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= nblocks) {
+        return;
+    }
+    uint32_t h = (uint32_t) i * 2654435761u ^ seed;
+    w[i].d     = __float2half(0.001f + (float) (h % 1000) * 1e-5f);
+#pragma unroll
+    for (int j = 0; j < QK4_0 / 2; j++) {
+        h           = h * 1664525u + 1013904223u;
+        w[i].qs[j]  = (uint8_t) (h >> 24);
+    }
+}
+
+static __global__ void lab_fill_f32(float * x, const int64_t n, const uint32_t seed) {
+    const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        const uint32_t h = ((uint32_t) i * 2246822519u) ^ seed;
+        x[i]             = (float) (h % 2001) / 1000.0f - 1.0f;
+    }
+}
+
+// one column of f32 activations to q8_1 (a warp a block of 32: d = max |x| / 127, s = d * sum of q)
+static __global__ void lab_quantize_q8_1(const float * x, block_q8_1 * y, const int nblocks) {
+    const int b    = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (b >= nblocks) {
+        return;
+    }
+    const float v   = x[b * QK8_1 + lane];
+    float       amax = fabsf(v);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+    }
+    const float d = amax / 127.0f;
+    const int   q = amax == 0.0f ? 0 : (int) roundf(v / d);
+    int         sum = q;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        sum += __shfl_xor_sync(0xffffffff, sum, o);
+    }
+    y[b].qs[lane] = (int8_t) q;
+    if (lane == 0) {
+        y[b].ds = make_half2(__float2half(d), __float2half(d * (float) sum));
+    }
+}
+#endif

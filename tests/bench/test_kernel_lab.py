@@ -1,9 +1,9 @@
 """bench/gpu/kernel_lab.py: it applies the patch series to the pinned sdist and compiles the labs
-(gdn_lab.cu and mmr_lab.cu against that tree, the patched kernels included as they are, the launchers'
-host dependencies stubbed; wg_lab.cu standalone, for sm_90a); each program refuses bad arguments with
-a clear message before touching a GPU; the mmr summary compares settings by step time and by output
-checksums against the first; the driver's argument errors are clear. The timings themselves need a
-GPU (bench/results, on the H200)."""
+(gdn_lab.cu, mmr_lab.cu and pstep_lab.cu against that tree, the patched kernels included as they are,
+the launchers' host dependencies stubbed; wg_lab.cu standalone, for sm_90a); each program refuses bad
+arguments with a clear message before touching a GPU; the mmr summary compares settings by step time
+and by output checksums against the first; the driver's argument errors are clear. The timings
+themselves need a GPU (bench/results, on the H200)."""
 
 from __future__ import annotations
 
@@ -118,6 +118,7 @@ def patched_tree(build_script, tmp_path_factory):
 GDN_BAD = (([], "usage"), (["0", "16"], "usage"), (["3", "0"], "TOKENS 0"), (["3", "2049"], "1..2048"))
 MMR_BAD = (([], "usage"), (["3", "8"], "COLUMNS 1: decode"), (["3", "17"], "9..16"), (["0", "1"], "usage"))
 WG_BAD = (([], "usage"), (["0"], "usage"), (["3", "4"], "WG 1 or 2"), (["3", "1", "x"], "usage"))
+PSTEP_BAD = (([], "usage"), (["0"], "usage"), (["3x"], "usage"), (["3", "1"], "usage"))
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +145,9 @@ def compiled_lab(patched_tree, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize(("lab", "bad"), [("gdn", GDN_BAD), ("mmr", MMR_BAD), ("wg", WG_BAD)])
+@pytest.mark.parametrize(
+    ("lab", "bad"), [("gdn", GDN_BAD), ("mmr", MMR_BAD), ("pstep", PSTEP_BAD), ("wg", WG_BAD)]
+)
 def test_each_lab_compiles_against_the_patched_tree(compiled_lab, lab, bad):
     exe = compiled_lab(lab)
     for args, msg in bad:
@@ -235,6 +238,59 @@ def test_the_persistent_decode_products_pieces(compiled_lab):
         assert res.returncode == 2 and "usage: mmr_lab pmvplan CTAS STAGE_KB" in res.stderr, bad
 
 
+def test_the_persistent_steps_tasks_pieces_and_bytes(compiled_lab):
+    """The pstep lab (a decode step's products with no launch boundaries): each group's pieces are the
+    library's own plan (mc_pmv_choose, as mmr_lab pmvplan prints it for the same CTAs and stages), and
+    the step is the 27B's 64 layers x 4 tasks, its weight bytes those of 48 GDN and 16 attention
+    layers' products (Q4_0: 18 bytes a block of 32; the FFN's gate rows beside the up rows), without a
+    GPU (pstep_lab plan CTAS STAGE_KB); bad plan arguments and a stage too small are clear errors."""
+    exe = compiled_lab("pstep")
+
+    def lines(prog: Path, *args: str) -> list[dict]:
+        res = subprocess.run([str(prog), *args], capture_output=True, text=True, check=False)
+        assert res.returncode == 0, res.stderr
+        return [json.loads(x) for x in res.stdout.splitlines()]
+
+    got = lines(exe, "plan", "132", "24")
+    library = {r["group"]: r for r in lines(compiled_lab("mmr"), "pmvplan", "132", "24")}
+    plan = {r["group"]: r for r in got if r["kind"] == "plan"}
+    assert plan.keys() == library.keys()
+    for g, r in plan.items():
+        assert (r["rows_a_piece"], r["pieces"]) == (library[g]["rows_a_piece"], library[g]["pieces"]), g
+
+    def q4(rows: int, k: int) -> int:
+        return rows * (k // 32) * 18
+
+    gdn = q4(10240 + 6144 + 48 + 48, 5120)
+    attn = q4(12288 + 1024 + 1024, 5120)
+    rest = q4(5120, 6144) + 2 * q4(17408, 5120) + q4(5120, 17408)
+    assert plan["gdn_in"]["bytes"] == gdn and plan["ffn_gate_up"]["bytes"] == 2 * q4(17408, 5120)
+    assert got[-1] == {"kind": "steplan", "tasks": 256, "bytes": 48 * gdn + 16 * attn + 64 * rest}
+    for bad in (["x", "24"], ["132", "7"], ["0", "24"], ["132", "65"]):
+        res = subprocess.run([str(exe), "plan", *bad], capture_output=True, text=True, check=False)
+        assert res.returncode == 2 and "usage: pstep_lab plan CTAS STAGE_KB" in res.stderr, bad
+    small = subprocess.run([str(exe), "plan", "132", "8"], capture_output=True, text=True, check=False)
+    assert small.returncode == 2 and "no piece shape fits K = 17408 in 8 KB" in small.stderr
+
+
+def test_the_pstep_summary_gives_the_rate_from_the_steps_bytes_and_the_reference_difference():
+    lab = load()
+
+    def run(step_ms: float, ref: float) -> list[dict]:
+        return [
+            {"kind": "check", "group": "out", "sum": 1.0, "sumsq": 2.0, "ref_rel": ref},
+            {"kind": "check", "group": "ffn_down", "sum": 3.0, "sumsq": 4.0, "ref_rel": ref / 2},
+            {"kind": "step", "step_ms": step_ms, "bytes": 13_697_187_840, "tasks": 256},
+        ]
+
+    s = lab.mmr_summary({"step": [run(3.5, 1e-6), run(3.7, 3e-6)], "launches": [run(4.2, 2e-6)]})
+    assert s["step"]["step_tb_s"] == pytest.approx(13.697_187_84 / 3.6)  # GB / ms = TB/s
+    assert s["step"]["step_gb"] == pytest.approx(13.697_187_84)
+    assert s["step"]["ref_rel"] == 3e-6 and s["launches"]["ref_rel"] == 2e-6
+    text = lab.mmr_table(s)
+    assert "ref rel" in text.splitlines()[0] and "3.00e-06" in text and "+16.7%" in text
+
+
 def test_bad_driver_arguments_are_clear_errors(monkeypatch, tmp_path):
     lab = load()
     for argv, msg in (
@@ -246,6 +302,8 @@ def test_bad_driver_arguments_are_clear_errors(monkeypatch, tmp_path):
         (["gdn", "--json", "x.json", "--sdist", str(tmp_path / "none.tar.gz")], "no such file"),
         (["mmr", "--json", "x.json", "--columns", "8"], "--columns 8: 1 (decode's kernel) or 9..16"),
         (["mmr", "--json", "x.json", "--rounds", "0"], "--rounds 0"),
+        (["pstep", "--json", "x.json", "--rounds", "0"], "--rounds 0"),
+        (["pstep", "--json", "x.json", "--setting", "a=X"], "is not VAR=VALUE"),
         (["mmr", "--json", "x.json", "--setting", "a=", "--setting", "a=X=1"], "'a' twice"),
         (["mmr", "--json", "x.json", "--setting", "a=X"], "is not VAR=VALUE"),
         (["wg", "--json", "x.json", "--wg", "1,3"], "--wg '1,3'"),
