@@ -15,10 +15,13 @@
 // Settings (environment): MC_LAB_PSTEP_SCOPE (0: a launch per task, the library's structure without
 // PDL; 1: a launch per layer; 2, default: one launch for the step), MC_LAB_PSTEP_STAGES (2..12,
 // default 8), MC_LAB_PSTEP_STAGE_KB (8..64, default 24), MC_LAB_PSTEP_CTAS (CTAs an SM, 1..2, default
-// 1), MC_LAB_PSTEP_GAP_NS / MC_LAB_PSTEP_CORE_NS (0..1000000, default 0), MC_LAB_PSTEP_MATH (1, default;
-// 0: the copies and waits alone, outputs 0: a bound).
-// Usage: pstep_lab REPEATS (timed steps after two untimed); pstep_lab plan CTAS STAGE_KB (no GPU: each
-// group's pieces and the step's tasks and bytes). Output: one JSON object a line: the settings, each
+// 1), MC_LAB_PSTEP_WARPS (8, default, or 16 a CTA: more warps to hide the arithmetic's latency; 16
+// rows a piece where they fit a stage), MC_LAB_PSTEP_GAP_NS / MC_LAB_PSTEP_CORE_NS (0..1000000,
+// default 0), MC_LAB_PSTEP_NOBAR (1: no barrier waits, the barriers' cost; the outputs are the same,
+// the activations being fixed), MC_LAB_PSTEP_MATH (1, default; 0: the copies and waits alone, outputs
+// 0: a bound).
+// Usage: pstep_lab REPEATS (timed steps after two untimed); pstep_lab plan CTAS STAGE_KB [WARPS] (no
+// GPU: each group's pieces and the step's tasks and bytes). Output: one JSON object a line: the settings, each
 // group's plan, each group's checksum over the step's outputs with the largest difference from a
 // reference in double (relative to the group's RMS), the step's ms and bytes.
 #include "mc-mmv.cu"
@@ -32,7 +35,6 @@
 #include <string>
 #include <vector>
 
-#define PS_WARPS      8
 #define PS_MAX_STAGES 12
 
 // one task: a group's products (a launch of the library's), its pieces and activations
@@ -58,6 +60,7 @@ struct ps_args {
     unsigned        base;
     int             stages;
     int             stage_bytes;
+    int             wait;  // 0 (MC_LAB_PSTEP_NOBAR=1): no barrier waits, the tasks' order alone (its cost)
 };
 
 static __device__ __forceinline__ unsigned ps_load_acquire(const unsigned * p) {
@@ -87,12 +90,12 @@ static __device__ __forceinline__ void ps_locate(const ps_task & T, const int p,
     rows = min(T.rs, T.nrows[s] - row0);
 }
 
-template <bool MATH>
-__launch_bounds__(PS_WARPS * WARP_SIZE, 1)
+template <bool MATH, int W>  // W warps a CTA
+__launch_bounds__(W * WARP_SIZE, 1)
 static __global__ void ps_kernel(const ps_args a) {
     extern __shared__ __align__(16) char ps_smem_raw[];
     __shared__ uint64_t bars[PS_MAX_STAGES];
-    __shared__ float    red[PS_WARPS][2];
+    __shared__ float    red[W][2];
     char *    smem = mc_smem_lines(ps_smem_raw);
     const int tid  = threadIdx.x;
     const int warp = tid / WARP_SIZE;
@@ -135,7 +138,7 @@ static __global__ void ps_kernel(const ps_args a) {
     uint32_t parity = 0;
     for (int t = a.t0; t < a.t1; ++t) {
         const ps_task & T = a.tasks[t];
-        if (t > a.t0) {  // every CTA done with the task before (and, modelled, the small kernels after it)
+        if (t > a.t0 && a.wait) {  // every CTA done with the task before (and, modelled, the small kernels after it)
             if (tid == 0) {
                 const unsigned  target = a.base + (unsigned) (t - a.t0) * gridDim.x;
                 const long long c0     = clock64();
@@ -150,7 +153,7 @@ static __global__ void ps_kernel(const ps_args a) {
             }
             __syncthreads();
         }
-        const int wpr = PS_WARPS / T.rs;
+        const int wpr = W / T.rs;
         const int r   = warp / wpr;  // this warp's row of a piece
         const int q   = warp % wpr;  // its part of the row
         int       u[MC_PMV_J][8];
@@ -288,27 +291,57 @@ static int64_t ps_group_bytes(const ps_group & g) {
     return g.nw * rows * ps_row_bytes(g);
 }
 
-static mc_pmv_plan ps_plan(const ps_group & g, const int ctas, const int stage_bytes) {
+// the pieces of g for CTAs of w warps: mc_pmv_choose's rule (the least work on the busiest CTA, ties to
+// more rows a piece; a piece within a stage, a lane's blocks within MC_PMV_J), for w = 8 that function
+// itself (the library's plan)
+static mc_pmv_plan ps_plan(const ps_group & g, const int w, const int ctas, const int stage_bytes) {
     mc_mm_group grp;
     grp.n = (int) g.rows.size();
     for (int p = 0; p < grp.n; ++p) {
         grp.nrows[p] = g.rows[p];
     }
-    return mc_pmv_choose(grp, g.nw, g.k / QK4_0, ps_row_bytes(g), ctas, stage_bytes);
+    const int     nblocks   = g.k / QK4_0;
+    const int64_t row_bytes = ps_row_bytes(g);
+    if (w == MC_PMV_WARPS) {
+        return mc_pmv_choose(grp, g.nw, nblocks, row_bytes, ctas, stage_bytes);
+    }
+    mc_pmv_plan best;
+    int64_t     best_cost = -1;
+    for (int rs = w; rs >= 1; rs /= 2) {
+        if ((int64_t) g.nw * rs * row_bytes > stage_bytes || WARP_SIZE * (w / rs) * MC_PMV_J < nblocks) {
+            continue;
+        }
+        mc_pmv_plan pl;
+        pl.rs = rs;
+        for (int i = 0; i < grp.n; ++i) {
+            pl.piece_begin[i] = pl.npieces;
+            pl.npieces += (grp.nrows[i] + rs - 1) / rs;
+        }
+        const int64_t cost = (int64_t) ((pl.npieces + ctas - 1) / ctas) * (g.nw * rs * row_bytes + MC_PMV_PIECE_COST);
+        if (best_cost < 0 || cost < best_cost) {
+            best      = pl;
+            best_cost = cost;
+        }
+    }
+    return best;
 }
 
-// pstep_lab plan CTAS STAGE_KB: each group's pieces, the step's tasks and weight bytes, without a GPU
-static int ps_print_plans(char ** argv) {
-    int  ctas = 0, kb = 0;
-    char *e1 = nullptr, *e2 = nullptr;
+// pstep_lab plan CTAS STAGE_KB [WARPS]: each group's pieces, the step's tasks and weight bytes, without a GPU
+static int ps_print_plans(const int argc, char ** argv) {
+    int  ctas = 0, kb = 0, w = 8;
+    char *e1 = nullptr, *e2 = nullptr, *e3 = nullptr;
     ctas = (int) strtol(argv[2], &e1, 10);
     kb   = (int) strtol(argv[3], &e2, 10);
-    if (*e1 != '\0' || *e2 != '\0' || e1 == argv[2] || e2 == argv[3] || ctas < 1 || kb < 8 || kb > 64) {
-        fprintf(stderr, "usage: pstep_lab plan CTAS STAGE_KB (CTAS >= 1; STAGE_KB 8..64)\n");
+    if (argc == 5) {
+        w = (int) strtol(argv[4], &e3, 10);
+    }
+    if (*e1 != '\0' || *e2 != '\0' || e1 == argv[2] || e2 == argv[3] || ctas < 1 || kb < 8 || kb > 64 ||
+        (argc == 5 && (*e3 != '\0' || (w != 8 && w != 16)))) {
+        fprintf(stderr, "usage: pstep_lab plan CTAS STAGE_KB [WARPS] (CTAS >= 1; STAGE_KB 8..64; WARPS 8 or 16)\n");
         return 2;
     }
     for (const ps_group & g : ps_groups()) {
-        const mc_pmv_plan pl = ps_plan(g, ctas, kb * 1024);
+        const mc_pmv_plan pl = ps_plan(g, w, ctas, kb * 1024);
         if (pl.rs == 0) {
             fprintf(stderr, "pstep_lab: no piece shape fits K = %d in %d KB stages\n", g.k, kb);
             return 2;
@@ -326,8 +359,8 @@ static int ps_print_plans(char ** argv) {
 }
 
 int main(int argc, char ** argv) {
-    if (argc == 4 && std::string(argv[1]) == "plan") {
-        return ps_print_plans(argv);
+    if ((argc == 4 || argc == 5) && std::string(argv[1]) == "plan") {
+        return ps_print_plans(argc, argv);
     }
     char *    end     = nullptr;
     const int repeats = argc == 2 ? (int) strtol(argv[1], &end, 10) : 0;
@@ -342,6 +375,12 @@ int main(int argc, char ** argv) {
     const int gap_ns      = mc_env_int("MC_LAB_PSTEP_GAP_NS", 0, 1000000, 0);
     const int core_ns     = mc_env_int("MC_LAB_PSTEP_CORE_NS", 0, 1000000, 0);
     const int math        = mc_env_int("MC_LAB_PSTEP_MATH", 0, 1, 1);
+    const int warps       = mc_env_int("MC_LAB_PSTEP_WARPS", 8, 16, 8);
+    const int nobar       = mc_env_int("MC_LAB_PSTEP_NOBAR", 0, 1, 0);
+    if (warps != 8 && warps != 16) {
+        fprintf(stderr, "pstep_lab: MC_LAB_PSTEP_WARPS=%d: 8 or 16\n", warps);
+        return 2;
+    }
 
     int dev = 0, nsm = 0, clock_khz = 0, coop = 0;
     LAB_CHECK(cudaGetDevice(&dev));
@@ -355,11 +394,12 @@ int main(int argc, char ** argv) {
                 prop.minor);
         return 2;
     }
-    const auto   kernel = math ? ps_kernel<true> : ps_kernel<false>;
+    const auto kernel = warps == 16 ? (math ? ps_kernel<true, 16> : ps_kernel<false, 16>) :
+                                      (math ? ps_kernel<true, 8> : ps_kernel<false, 8>);
     const size_t smem   = (size_t) stages * stage_bytes + MC_SMEM_PAD;
     LAB_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
     int occupancy = 0;
-    LAB_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, kernel, PS_WARPS * WARP_SIZE, smem));
+    LAB_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, kernel, warps * WARP_SIZE, smem));
     if (occupancy < per_sm) {
         fprintf(stderr, "pstep_lab: %d CTAs an SM asked, %d fit (%d stages of %d KB: %zu bytes a CTA)\n", per_sm,
                 occupancy, stages, stage_bytes / 1024, smem);
@@ -375,7 +415,7 @@ int main(int argc, char ** argv) {
     const std::vector<ps_group> & groups = ps_groups();
     std::vector<mc_pmv_plan>      plans;
     for (const ps_group & g : groups) {
-        plans.push_back(ps_plan(g, ctas, stage_bytes));
+        plans.push_back(ps_plan(g, warps, ctas, stage_bytes));
         if (plans.back().rs == 0) {
             fprintf(stderr, "pstep_lab: no piece shape fits K = %d in %d KB stages\n", g.k, stage_bytes / 1024);
             return 2;
@@ -438,19 +478,19 @@ int main(int argc, char ** argv) {
     LAB_CHECK(cudaMemset(ctr, 0, sizeof(unsigned)));
     LAB_CHECK(cudaDeviceSynchronize());
     printf("{\"kind\": \"pstep\", \"scope\": %d, \"ctas\": %d, \"ctas_per_sm\": %d, \"stages\": %d, "
-           "\"stage_bytes\": %d, \"gap_ns\": %d, \"core_ns\": %d, \"math\": %d, \"clock_khz\": %d}\n",
-           scope, ctas, per_sm, stages, stage_bytes, gap_ns, core_ns, math, clock_khz);
+           "\"stage_bytes\": %d, \"gap_ns\": %d, \"core_ns\": %d, \"math\": %d, \"warps\": %d, \"nobar\": %d, "
+           "\"clock_khz\": %d}\n",
+           scope, ctas, per_sm, stages, stage_bytes, gap_ns, core_ns, math, warps, nobar, clock_khz);
 
     unsigned base = 0;  // the counter's value: every CTA arrives once a task
     auto     launch = [&](const int t0, const int t1) {
-        ps_args a{ dtasks, t0, t1, ctr, base, stages, stage_bytes };
+        ps_args a{ dtasks, t0, t1, ctr, base, stages, stage_bytes, nobar ? 0 : 1 };
         base += (unsigned) (ctas * (t1 - t0));
         if (scope == 0) {
-            kernel<<<ctas, PS_WARPS * WARP_SIZE, smem>>>(a);
+            kernel<<<ctas, warps * WARP_SIZE, smem>>>(a);
         } else {
             void * params[] = { &a };
-            LAB_CHECK(cudaLaunchCooperativeKernel((const void *) kernel, ctas, PS_WARPS * WARP_SIZE, params, smem,
-                                                  nullptr));
+            LAB_CHECK(cudaLaunchCooperativeKernel((const void *) kernel, ctas, warps * WARP_SIZE, params, smem, nullptr));
         }
     };
     const int ntasks = (int) tasks.size();
