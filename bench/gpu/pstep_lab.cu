@@ -19,7 +19,8 @@
 // rows a piece where they fit a stage), MC_LAB_PSTEP_GAP_NS / MC_LAB_PSTEP_CORE_NS (0..1000000,
 // default 0), MC_LAB_PSTEP_NOBAR (1: no barrier waits, the barriers' cost; the outputs are the same,
 // the activations being fixed), MC_LAB_PSTEP_MATH (1, default; 0: the copies and waits alone, outputs
-// 0: a bound).
+// 0: a bound; 2: the arithmetic alone on whatever the stages hold, no copies and no waits for them:
+// the other bound, outputs meaningless).
 // Usage: pstep_lab REPEATS (timed steps after two untimed); pstep_lab plan CTAS STAGE_KB [WARPS] (no
 // GPU: each group's pieces and the step's tasks and bytes). Output: one JSON object a line: the settings, each
 // group's plan, each group's checksum over the step's outputs with the largest difference from a
@@ -90,12 +91,14 @@ static __device__ __forceinline__ void ps_locate(const ps_task & T, const int p,
     rows = min(T.rs, T.nrows[s] - row0);
 }
 
-template <bool MATH, int W>  // W warps a CTA
+template <int MODE, int W>  // W warps a CTA; MODE: MC_LAB_PSTEP_MATH
 __launch_bounds__(W * WARP_SIZE, 1)
 static __global__ void ps_kernel(const ps_args a) {
     extern __shared__ __align__(16) char ps_smem_raw[];
     __shared__ uint64_t bars[PS_MAX_STAGES];
     __shared__ float    red[W][2];
+    constexpr bool MATH   = MODE != 0;
+    constexpr bool COPIES = MODE != 2;
     char *    smem = mc_smem_lines(ps_smem_raw);
     const int tid  = threadIdx.x;
     const int warp = tid / WARP_SIZE;
@@ -104,6 +107,9 @@ static __global__ void ps_kernel(const ps_args a) {
     // the issue cursor (thread 0): the CTA's pieces of tasks t0..t1 in order, one sequence for the ring
     int  it = a.t0 - 1, ii = 0, in = 0, ifirst = 0;
     auto issue_next = [&](const int stage) {
+        if (!COPIES) {
+            return;
+        }
         while (ii >= in) {
             if (it + 1 >= a.t1) {
                 return;
@@ -170,7 +176,9 @@ static __global__ void ps_kernel(const ps_args a) {
         for (int i = 0; i < n; ++i) {
             int s, row0, rows;
             ps_locate(T, first + i, s, row0, rows);
-            mc_mbar_wait(&bars[stage], parity);
+            if (COPIES) {
+                mc_mbar_wait(&bars[stage], parity);
+            }
             const char * st  = smem + stage * a.stage_bytes;
             float        acc = 0.0f, accg = 0.0f;
             if (MATH && r < rows) {
@@ -374,7 +382,7 @@ int main(int argc, char ** argv) {
     const int per_sm      = mc_env_int("MC_LAB_PSTEP_CTAS", 1, 2, 1);
     const int gap_ns      = mc_env_int("MC_LAB_PSTEP_GAP_NS", 0, 1000000, 0);
     const int core_ns     = mc_env_int("MC_LAB_PSTEP_CORE_NS", 0, 1000000, 0);
-    const int math        = mc_env_int("MC_LAB_PSTEP_MATH", 0, 1, 1);
+    const int math        = mc_env_int("MC_LAB_PSTEP_MATH", 0, 2, 1);
     const int warps       = mc_env_int("MC_LAB_PSTEP_WARPS", 8, 16, 8);
     const int nobar       = mc_env_int("MC_LAB_PSTEP_NOBAR", 0, 1, 0);
     if (warps != 8 && warps != 16) {
@@ -394,8 +402,8 @@ int main(int argc, char ** argv) {
                 prop.minor);
         return 2;
     }
-    const auto kernel = warps == 16 ? (math ? ps_kernel<true, 16> : ps_kernel<false, 16>) :
-                                      (math ? ps_kernel<true, 8> : ps_kernel<false, 8>);
+    const auto kernel = warps == 16 ? (math == 2 ? ps_kernel<2, 16> : math ? ps_kernel<1, 16> : ps_kernel<0, 16>) :
+                                      (math == 2 ? ps_kernel<2, 8> : math ? ps_kernel<1, 8> : ps_kernel<0, 8>);
     const size_t smem   = (size_t) stages * stage_bytes + MC_SMEM_PAD;
     LAB_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
     int occupancy = 0;
