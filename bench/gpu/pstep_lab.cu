@@ -560,8 +560,13 @@ int main(int argc, char ** argv) {
                 worst[gi] = std::max(worst[gi], std::fabs(h[i] - hr[i]) / std::max(rms, 1e-30));
             }
         }
-        printf("{\"kind\": \"check\", \"group\": \"%s\", \"sum\": %.9e, \"sumsq\": %.9e, \"ref_rel\": %.3e}\n",
-               groups[gi].name, sum[gi], sumsq[gi], worst[gi]);
+        auto num = [](const double v) {  // JSON: null where the value is not finite (MATH=2's outputs)
+            char buf[32];
+            snprintf(buf, sizeof(buf), std::isfinite(v) ? "%.9e" : "null", v);
+            return std::string(buf);
+        };
+        printf("{\"kind\": \"check\", \"group\": \"%s\", \"sum\": %s, \"sumsq\": %s, \"ref_rel\": %s}\n",
+               groups[gi].name, num(sum[gi]).c_str(), num(sumsq[gi]).c_str(), num(worst[gi]).c_str());
     }
     printf("{\"kind\": \"step\", \"step_ms\": %.4f, \"bytes\": %lld, \"tasks\": %d}\n", ms / repeats,
            (long long) step_bytes, ntasks);
