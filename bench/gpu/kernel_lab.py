@@ -52,6 +52,7 @@ import argparse
 import datetime
 import importlib.util
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -116,7 +117,12 @@ def mmr_summary(runs: dict[str, list[list[dict]]]) -> dict[str, dict]:
         sizes: dict[str, tuple[int, int]] = {}  # a group's bytes a launch and its launches a step
         worst = 0.0
         printed = [r["bytes"] for run in rounds for r in run if r["kind"] == "step" and "bytes" in r]
-        ref_rel = [r["ref_rel"] for run in rounds for r in run if r["kind"] == "check" and "ref_rel" in r]
+        ref_rel = [
+            math.inf if r["ref_rel"] is None else r["ref_rel"]
+            for run in rounds
+            for r in run
+            if r["kind"] == "check" and "ref_rel" in r
+        ]
         for run in rounds:
             for r in run:
                 if r["kind"] == "group":
@@ -126,7 +132,10 @@ def mmr_summary(runs: dict[str, list[list[dict]]]) -> dict[str, dict]:
                 elif r["kind"] == "check" and r["group"] in ref:
                     for key in ("sum", "sumsq"):
                         base = ref[r["group"]][key]
-                        worst = max(worst, abs(r[key] - base) / max(abs(base), 1e-30))
+                        if r[key] is None or base is None:  # not finite (the lab prints null)
+                            worst = math.inf
+                        else:
+                            worst = max(worst, abs(r[key] - base) / max(abs(base), 1e-30))
         group_us = {g: sum(v) / len(v) for g, v in groups.items()}
         out[name] = {
             "step_ms": {
