@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -266,7 +267,15 @@ def test_the_persistent_steps_tasks_pieces_and_bytes(compiled_lab):
     rest = q4(5120, 6144) + 2 * q4(17408, 5120) + q4(5120, 17408)
     assert plan["gdn_in"]["bytes"] == gdn and plan["ffn_gate_up"]["bytes"] == 2 * q4(17408, 5120)
     assert got[-1] == {"kind": "steplan", "tasks": 256, "bytes": 48 * gdn + 16 * attn + 64 * rest}
-    for bad in (["x", "24"], ["132", "7"], ["0", "24"], ["132", "65"]):
+    # 16 warps a CTA (MC_LAB_PSTEP_WARPS=16) in 48 KB stages: 16 rows a piece where a row on one warp
+    # holds its blocks (K = 5,120: 160 blocks, a lane's 6 at most: 192), 8 where 16 do not fit a stage
+    # (the out projection's 3,456-byte rows; the FFN's gate rows beside the up rows), 4 for ffn_down
+    # (544 blocks need 3 warps a row: 4)
+    wide = {
+        r["group"]: r["rows_a_piece"] for r in lines(exe, "plan", "132", "48", "16") if r["kind"] == "plan"
+    }
+    assert wide == {"gdn_in": 16, "attn_in": 16, "out": 8, "ffn_gate_up": 8, "ffn_down": 4}
+    for bad in (["x", "24"], ["132", "7"], ["0", "24"], ["132", "65"], ["132", "24", "12"]):
         res = subprocess.run([str(exe), "plan", *bad], capture_output=True, text=True, check=False)
         assert res.returncode == 2 and "usage: pstep_lab plan CTAS STAGE_KB" in res.stderr, bad
     small = subprocess.run([str(exe), "plan", "132", "8"], capture_output=True, text=True, check=False)
@@ -289,6 +298,12 @@ def test_the_pstep_summary_gives_the_rate_from_the_steps_bytes_and_the_reference
     assert s["step"]["ref_rel"] == 3e-6 and s["launches"]["ref_rel"] == 2e-6
     text = lab.mmr_table(s)
     assert "ref rel" in text.splitlines()[0] and "3.00e-06" in text and "+16.7%" in text
+    # MC_LAB_PSTEP_MATH=2 (the arithmetic alone on whatever the stages hold): the lab prints null for
+    # values that are not finite; the summary counts them as infinitely far off, and still times it
+    nan_run = [{**r, "sum": None, "ref_rel": None} if r["kind"] == "check" else r for r in run(3.0, 0.0)]
+    s = lab.mmr_summary({"step": [run(3.5, 1e-6)], "arith": [nan_run]})
+    assert s["arith"]["checksum_rel"] == math.inf and s["arith"]["ref_rel"] == math.inf
+    assert s["arith"]["step_ms"]["mean"] == 3.0 and "inf" in lab.mmr_table(s).splitlines()[2]
 
 
 def test_bad_driver_arguments_are_clear_errors(monkeypatch, tmp_path):
