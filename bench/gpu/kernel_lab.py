@@ -42,6 +42,7 @@ usage (on the GPU machine; nvcc):
   python3 bench/gpu/kernel_lab.py pstep --json OUT.json [--setting gap5=MC_LAB_PSTEP_GAP_NS=5000]
       [--rounds 2] [--repeats 20]
   python3 bench/gpu/kernel_lab.py wg --json OUT.json [--wg 1,2] [--repeats 20]
+  python3 bench/gpu/kernel_lab.py pstep --build-only /tmp/pstep   (then, e.g., ncu ... /tmp/pstep 1)
   common: [--sdist .device/llama_cpp_python-0.3.36.tar.gz | --src PATCHED/vendor/llama.cpp]
       [--without 0040] (the series less that patch: two calls, with and without it, A/B a patch that
       has no setting of its own)"""
@@ -274,7 +275,7 @@ def run(args: list[str], timeout: float, env: dict[str, str] | None = None) -> s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("lab", choices=sorted(LABS), help="which lab")
-    ap.add_argument("--json", required=True, help="where to write the results")
+    ap.add_argument("--json", default="", help="where to write the results (needed unless --build-only)")
     ap.add_argument(
         "--repeats", type=int, default=0, help="timed steps a run (default: gdn 50, mmr 20, pstep 20, wg 20)"
     )
@@ -297,7 +298,15 @@ def main() -> None:
     ap.add_argument("--arch", default="90", help="CUDA arch to build for (90: H100 / H200)")
     ap.add_argument("--commit", default="", help="the tree's git commit, recorded in the JSON")
     ap.add_argument("--timeout", type=float, default=240, help="seconds a run of the program may take")
+    ap.add_argument(
+        "--build-only",
+        metavar="EXE",
+        default="",
+        help="compile the lab (with -lineinfo, for ncu's source view) to EXE and stop: run it under ncu",
+    )
     a = ap.parse_args()
+    if not a.json and not a.build_only:
+        raise SystemExit("--json: needed (where to write the results), unless --build-only")
     repeats = a.repeats or {"gdn": 50, "mmr": 20, "pstep": 20, "wg": 20}[a.lab]
     if repeats < 1:
         raise SystemExit(f"--repeats {a.repeats}: must be at least 1")
@@ -328,6 +337,10 @@ def main() -> None:
             hint = "python3 ggml-patches/build.py --pack-sdist ..."
             raise SystemExit(f"--sdist {a.sdist}: no such file ({hint})")
         tree = patched_tree(Path(a.sdist), work, a.without)
+    if a.build_only:
+        subprocess.run([*compile_cmd(a.nvcc, tree, a.lab, Path(a.build_only), arch), "-lineinfo"], check=True)
+        print(f"built {a.build_only}")
+        return
     exe = work / a.lab
     subprocess.run(compile_cmd(a.nvcc, tree, a.lab, exe, arch), check=True)
     try:

@@ -318,6 +318,7 @@ def test_bad_driver_arguments_are_clear_errors(monkeypatch, tmp_path):
         (["mmr", "--json", "x.json", "--columns", "8"], "--columns 8: 1 (decode's kernel) or 9..16"),
         (["mmr", "--json", "x.json", "--rounds", "0"], "--rounds 0"),
         (["pstep", "--json", "x.json", "--rounds", "0"], "--rounds 0"),
+        (["pstep"], "--json: needed"),
         (["pstep", "--json", "x.json", "--setting", "a=X"], "is not VAR=VALUE"),
         (["mmr", "--json", "x.json", "--setting", "a=", "--setting", "a=X=1"], "'a' twice"),
         (["mmr", "--json", "x.json", "--setting", "a=X"], "is not VAR=VALUE"),
