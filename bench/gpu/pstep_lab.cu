@@ -16,13 +16,14 @@
 // PDL; 1: a launch per layer; 2, default: one launch for the step), MC_LAB_PSTEP_STAGES (2..12,
 // default 8), MC_LAB_PSTEP_STAGE_KB (8..64, default 24), MC_LAB_PSTEP_CTAS (CTAs an SM, 1..2, default
 // 1), MC_LAB_PSTEP_WARPS (8, default, or 16 a CTA: more warps to hide the arithmetic's latency; 16
-// rows a piece where they fit a stage), MC_LAB_PSTEP_GAP_NS / MC_LAB_PSTEP_CORE_NS (0..1000000,
+// rows a piece where they fit a stage), MC_LAB_PSTEP_RPW (1, default, or 2 rows a warp a piece: two
+// independent sums a lane, twice the rows a piece), MC_LAB_PSTEP_GAP_NS / MC_LAB_PSTEP_CORE_NS (0..1000000,
 // default 0), MC_LAB_PSTEP_NOBAR (1: no barrier waits, the barriers' cost; the outputs are the same,
 // the activations being fixed), MC_LAB_PSTEP_MATH (1, default; 0: the copies and waits alone, outputs
 // 0: a bound; 2: the arithmetic alone on whatever the stages hold, no copies and no waits for them:
 // the other bound, outputs meaningless).
-// Usage: pstep_lab REPEATS (timed steps after two untimed); pstep_lab plan CTAS STAGE_KB [WARPS] (no
-// GPU: each group's pieces and the step's tasks and bytes). Output: one JSON object a line: the settings, each
+// Usage: pstep_lab REPEATS (timed steps after two untimed); pstep_lab plan CTAS STAGE_KB [WARPS [RPW]]
+// (no GPU: each group's pieces and the step's tasks and bytes). Output: one JSON object a line: the settings, each
 // group's plan, each group's checksum over the step's outputs with the largest difference from a
 // reference in double (relative to the group's RMS), the step's ms and bytes.
 #include "mc-mmv.cu"
@@ -76,8 +77,8 @@ static __device__ __forceinline__ void ps_range(const ps_task & T, int & first, 
     count = (int) ((int64_t) (blockIdx.x + 1) * T.npieces / gridDim.x) - first;
 }
 
-// piece p of T: its product s, first row and rows
-static __device__ __forceinline__ void ps_locate(const ps_task & T, const int p, int & s, int & row0, int & rows) {
+// piece p of T: its product s and first row
+static __device__ __forceinline__ void ps_locate(const ps_task & T, const int p, int & s, int & row0) {
     s         = 0;
     int first = 0;
 #pragma unroll
@@ -88,15 +89,30 @@ static __device__ __forceinline__ void ps_locate(const ps_task & T, const int p,
         }
     }
     row0 = (p - first) * T.rs;
-    rows = min(T.rs, T.nrows[s] - row0);
 }
 
-template <int MODE, int W>  // W warps a CTA; MODE: MC_LAB_PSTEP_MATH
+// the piece after (s, row0): a product's pieces are whole rows from row 0, its last one partial
+static __device__ __forceinline__ void ps_step(const ps_task & T, int & s, int & row0) {
+    row0 += T.rs;
+    if (row0 >= T.nrows[s]) {
+        ++s;
+        row0 = 0;
+    }
+}
+
+// W warps a CTA; RPW rows a warp a piece (MC_LAB_PSTEP_RPW: a piece is (W / wpr) x RPW rows, wpr warps
+// a row); MODE: MC_LAB_PSTEP_MATH. The current task's descriptor sits in shared memory (the consumers'
+// copy, read by every thread: broadcast loads, ~one register each) and a piece's product and row step
+// from the CTA's first piece of the task instead of being searched for (run BI's ncu profile of the
+// first form: ~340 instructions a warp a piece, half of them bookkeeping, and 62% of its L1 sectors
+// excess from every thread reading the descriptor from global memory)
+template <int MODE, int W, int RPW>
 __launch_bounds__(W * WARP_SIZE, 1)
 static __global__ void ps_kernel(const ps_args a) {
     extern __shared__ __align__(16) char ps_smem_raw[];
     __shared__ uint64_t bars[PS_MAX_STAGES];
-    __shared__ float    red[W][2];
+    __shared__ float    red[W][2 * RPW];
+    __shared__ ps_task  cur, icur;  // the consumers' task and the issue cursor's (thread 0's)
     constexpr bool MATH   = MODE != 0;
     constexpr bool COPIES = MODE != 2;
     char *    smem = mc_smem_lines(ps_smem_raw);
@@ -105,7 +121,7 @@ static __global__ void ps_kernel(const ps_args a) {
     const int lane = tid % WARP_SIZE;
 
     // the issue cursor (thread 0): the CTA's pieces of tasks t0..t1 in order, one sequence for the ring
-    int  it = a.t0 - 1, ii = 0, in = 0, ifirst = 0;
+    int  it = a.t0 - 1, ii = 0, in = 0, is = 0, irow = 0;
     auto issue_next = [&](const int stage) {
         if (!COPIES) {
             return;
@@ -115,20 +131,23 @@ static __global__ void ps_kernel(const ps_args a) {
                 return;
             }
             ++it;
-            ps_range(a.tasks[it], ifirst, in);
+            icur = a.tasks[it];
+            int first;
+            ps_range(icur, first, in);
+            ps_locate(icur, first, is, irow);
             ii = 0;
         }
-        const ps_task & T = a.tasks[it];
-        int             s, row0, rows;
-        ps_locate(T, ifirst + ii, s, row0, rows);
-        ++ii;
+        const int      rows  = min(icur.rs, icur.nrows[is] - irow);
         char *         st    = smem + stage * a.stage_bytes;
-        const uint32_t bytes = (uint32_t) (rows * T.row_bytes);
-        mc_mbar_arrive_expect(&bars[stage], T.gate ? 2 * bytes : bytes);
-        mc_bulk_copy(st, T.w[s] + (int64_t) row0 * T.row_bytes, bytes, &bars[stage]);
-        if (T.gate) {
-            mc_bulk_copy(st + T.rs * T.row_bytes, T.gate + (int64_t) row0 * T.row_bytes, bytes, &bars[stage]);
+        const uint32_t bytes = (uint32_t) (rows * icur.row_bytes);
+        mc_mbar_arrive_expect(&bars[stage], icur.gate ? 2 * bytes : bytes);
+        mc_bulk_copy(st, icur.w[is] + (int64_t) irow * icur.row_bytes, bytes, &bars[stage]);
+        if (icur.gate) {
+            mc_bulk_copy(st + icur.rs * icur.row_bytes, icur.gate + (int64_t) irow * icur.row_bytes, bytes,
+                         &bars[stage]);
         }
+        ++ii;
+        ps_step(icur, is, irow);
     };
     if (tid == 0) {
         for (int i = 0; i < a.stages; ++i) {
@@ -143,9 +162,8 @@ static __global__ void ps_kernel(const ps_args a) {
     int      stage  = 0;
     uint32_t parity = 0;
     for (int t = a.t0; t < a.t1; ++t) {
-        const ps_task & T = a.tasks[t];
-        if (t > a.t0 && a.wait) {  // every CTA done with the task before (and, modelled, the small kernels after it)
-            if (tid == 0) {
+        if (tid == 0) {
+            if (t > a.t0 && a.wait) {  // every CTA done with the task before (and the small kernels after it)
                 const unsigned  target = a.base + (unsigned) (t - a.t0) * gridDim.x;
                 const long long c0     = clock64();
                 while (ps_load_acquire(a.ctr) < target) {
@@ -154,16 +172,20 @@ static __global__ void ps_kernel(const ps_args a) {
                     }
                 }
                 const long long g0 = clock64();
-                while (clock64() - g0 < T.gap_cycles) {
+                while (clock64() - g0 < a.tasks[t].gap_cycles) {
                 }
             }
-            __syncthreads();
+            cur = a.tasks[t];
         }
-        const int wpr = W / T.rs;
-        const int r   = warp / wpr;  // this warp's row of a piece
-        const int q   = warp % wpr;  // its part of the row
-        int       u[MC_PMV_J][8];
-        float2    ds[MC_PMV_J];
+        __syncthreads();
+        const ps_task & T    = cur;
+        const int       wpr  = W * RPW / T.rs;
+        const int       r    = warp / wpr;  // this warp's first row of a piece; the others W / wpr apart
+        const int       q    = warp % wpr;  // its part of the row
+        const int       rgap = W / wpr;
+        const bool      gate = T.gate != nullptr;
+        int             u[MC_PMV_J][8];
+        float2          ds[MC_PMV_J];
 #pragma unroll
         for (int jp = 0; jp < MC_PMV_J / 2; ++jp) {
             const int kb = 2 * (q * WARP_SIZE + lane + WARP_SIZE * wpr * jp);
@@ -171,52 +193,80 @@ static __global__ void ps_kernel(const ps_args a) {
                 mc_load_q8_1_pair<false>(T.y + kb, u[2 * jp], ds[2 * jp], u[2 * jp + 1], ds[2 * jp + 1]);
             }
         }
-        int first, n;
+        int first, n, s, row0;
         ps_range(T, first, n);
+        ps_locate(T, first, s, row0);
         for (int i = 0; i < n; ++i) {
-            int s, row0, rows;
-            ps_locate(T, first + i, s, row0, rows);
+            const int rows = min(T.rs, T.nrows[s] - row0);
             if (COPIES) {
                 mc_mbar_wait(&bars[stage], parity);
             }
-            const char * st  = smem + stage * a.stage_bytes;
-            float        acc = 0.0f, accg = 0.0f;
-            if (MATH && r < rows) {
-                const char * wrow = st + r * T.row_bytes;
+            const char * st = smem + stage * a.stage_bytes;
+            float        acc[RPW], accg[RPW];
+#pragma unroll
+            for (int k = 0; k < RPW; ++k) {
+                acc[k]  = 0.0f;
+                accg[k] = 0.0f;
+            }
+            if (MATH) {
 #pragma unroll
                 for (int jp = 0; jp < MC_PMV_J / 2; ++jp) {
                     const int kb = 2 * (q * WARP_SIZE + lane + WARP_SIZE * wpr * jp);
                     if (kb < T.nblocks) {  // nblocks is even: the pair is whole
-                        int   v0[4], v1[4];
-                        float d0, d1;
-                        mc_q4_0_unpack2(wrow + kb * mc_q4_0_bytes, v0, v1, d0, d1);
-                        acc += mc_q4_0_dot(d0, v0, u[2 * jp], ds[2 * jp]);
-                        acc += mc_q4_0_dot(d1, v1, u[2 * jp + 1], ds[2 * jp + 1]);
-                        if (T.gate) {
-                            mc_q4_0_unpack2(wrow + T.rs * T.row_bytes + kb * mc_q4_0_bytes, v0, v1, d0, d1);
-                            accg += mc_q4_0_dot(d0, v0, u[2 * jp], ds[2 * jp]);
-                            accg += mc_q4_0_dot(d1, v1, u[2 * jp + 1], ds[2 * jp + 1]);
+#pragma unroll
+                        for (int k = 0; k < RPW; ++k) {
+                            const int rr = r + k * rgap;
+                            if (rr < rows) {
+                                const char * wrow = st + rr * T.row_bytes + kb * mc_q4_0_bytes;
+                                int          v0[4], v1[4];
+                                float        d0, d1;
+                                mc_q4_0_unpack2(wrow, v0, v1, d0, d1);
+                                acc[k] += mc_q4_0_dot(d0, v0, u[2 * jp], ds[2 * jp]);
+                                acc[k] += mc_q4_0_dot(d1, v1, u[2 * jp + 1], ds[2 * jp + 1]);
+                                if (gate) {
+                                    mc_q4_0_unpack2(wrow + T.rs * T.row_bytes, v0, v1, d0, d1);
+                                    accg[k] += mc_q4_0_dot(d0, v0, u[2 * jp], ds[2 * jp]);
+                                    accg[k] += mc_q4_0_dot(d1, v1, u[2 * jp + 1], ds[2 * jp + 1]);
+                                }
+                            }
                         }
                     }
                 }
             }
-            acc  = warp_reduce_sum<WARP_SIZE>(acc);
-            accg = warp_reduce_sum<WARP_SIZE>(accg);
+#pragma unroll
+            for (int k = 0; k < RPW; ++k) {
+                acc[k] = warp_reduce_sum<WARP_SIZE>(acc[k]);
+                if (gate) {
+                    accg[k] = warp_reduce_sum<WARP_SIZE>(accg[k]);
+                }
+            }
             if (wpr > 1) {
                 if (lane == 0) {
-                    red[warp][0] = acc;
-                    red[warp][1] = accg;
+#pragma unroll
+                    for (int k = 0; k < RPW; ++k) {
+                        red[warp][2 * k]     = acc[k];
+                        red[warp][2 * k + 1] = accg[k];
+                    }
                 }
                 __syncthreads();
                 if (q == 0 && lane == 0) {
-                    for (int k = 1; k < wpr; ++k) {
-                        acc += red[warp + k][0];
-                        accg += red[warp + k][1];
+                    for (int j = 1; j < wpr; ++j) {
+#pragma unroll
+                        for (int k = 0; k < RPW; ++k) {
+                            acc[k] += red[warp + j][2 * k];
+                            accg[k] += red[warp + j][2 * k + 1];
+                        }
                     }
                 }
             }
-            if (q == 0 && lane == 0 && r < rows) {
-                T.dst[s][row0 + r] = T.gate ? mc_mmv_glu(acc, accg, GGML_GLU_OP_SWIGLU, 0.0f) : acc;
+            if (q == 0 && lane == 0) {
+#pragma unroll
+                for (int k = 0; k < RPW; ++k) {
+                    const int rr = r + k * rgap;
+                    if (rr < rows) {
+                        T.dst[s][row0 + rr] = gate ? mc_mmv_glu(acc[k], accg[k], GGML_GLU_OP_SWIGLU, 0.0f) : acc[k];
+                    }
+                }
             }
             __syncthreads();  // every warp is done with this stage (and with red): refill it
             if (tid == 0) {
@@ -226,8 +276,9 @@ static __global__ void ps_kernel(const ps_args a) {
                 stage = 0;
                 parity ^= 1u;
             }
+            ps_step(T, s, row0);
         }
-        __syncthreads();  // the CTA's outputs of task t written
+        __syncthreads();  // the CTA's outputs of task t written; cur read by all
         if (tid == 0) {
             __threadfence();
             atomicAdd(a.ctr, 1u);
@@ -299,10 +350,10 @@ static int64_t ps_group_bytes(const ps_group & g) {
     return g.nw * rows * ps_row_bytes(g);
 }
 
-// the pieces of g for CTAs of w warps: mc_pmv_choose's rule (the least work on the busiest CTA, ties to
-// more rows a piece; a piece within a stage, a lane's blocks within MC_PMV_J), for w = 8 that function
-// itself (the library's plan)
-static mc_pmv_plan ps_plan(const ps_group & g, const int w, const int ctas, const int stage_bytes) {
+// the pieces of g for CTAs of w warps, rpw rows a warp: mc_pmv_choose's rule (the least work on the
+// busiest CTA, ties to more rows a piece; a piece within a stage, a lane's blocks within MC_PMV_J), for
+// w = 8, rpw = 1 that function itself (the library's plan)
+static mc_pmv_plan ps_plan(const ps_group & g, const int w, const int rpw, const int ctas, const int stage_bytes) {
     mc_mm_group grp;
     grp.n = (int) g.rows.size();
     for (int p = 0; p < grp.n; ++p) {
@@ -310,13 +361,13 @@ static mc_pmv_plan ps_plan(const ps_group & g, const int w, const int ctas, cons
     }
     const int     nblocks   = g.k / QK4_0;
     const int64_t row_bytes = ps_row_bytes(g);
-    if (w == MC_PMV_WARPS) {
+    if (w == MC_PMV_WARPS && rpw == 1) {
         return mc_pmv_choose(grp, g.nw, nblocks, row_bytes, ctas, stage_bytes);
     }
     mc_pmv_plan best;
     int64_t     best_cost = -1;
-    for (int rs = w; rs >= 1; rs /= 2) {
-        if ((int64_t) g.nw * rs * row_bytes > stage_bytes || WARP_SIZE * (w / rs) * MC_PMV_J < nblocks) {
+    for (int rs = w * rpw; rs >= rpw; rs /= 2) {  // w * rpw / rs warps a row
+        if ((int64_t) g.nw * rs * row_bytes > stage_bytes || WARP_SIZE * (w * rpw / rs) * MC_PMV_J < nblocks) {
             continue;
         }
         mc_pmv_plan pl;
@@ -334,22 +385,24 @@ static mc_pmv_plan ps_plan(const ps_group & g, const int w, const int ctas, cons
     return best;
 }
 
-// pstep_lab plan CTAS STAGE_KB [WARPS]: each group's pieces, the step's tasks and weight bytes, without a GPU
+// pstep_lab plan CTAS STAGE_KB [WARPS [RPW]]: each group's pieces, the step's tasks and weight bytes,
+// without a GPU
 static int ps_print_plans(const int argc, char ** argv) {
-    int  ctas = 0, kb = 0, w = 8;
-    char *e1 = nullptr, *e2 = nullptr, *e3 = nullptr;
-    ctas = (int) strtol(argv[2], &e1, 10);
-    kb   = (int) strtol(argv[3], &e2, 10);
-    if (argc == 5) {
-        w = (int) strtol(argv[4], &e3, 10);
+    int  v[4] = { 0, 0, 8, 1 };  // CTAS, STAGE_KB, WARPS, RPW
+    bool ok   = true;
+    for (int i = 2; i < argc; ++i) {
+        char * e     = nullptr;
+        v[i - 2] = (int) strtol(argv[i], &e, 10);
+        ok       = ok && e != argv[i] && *e == '\0';
     }
-    if (*e1 != '\0' || *e2 != '\0' || e1 == argv[2] || e2 == argv[3] || ctas < 1 || kb < 8 || kb > 64 ||
-        (argc == 5 && (*e3 != '\0' || (w != 8 && w != 16)))) {
-        fprintf(stderr, "usage: pstep_lab plan CTAS STAGE_KB [WARPS] (CTAS >= 1; STAGE_KB 8..64; WARPS 8 or 16)\n");
+    const int ctas = v[0], kb = v[1], w = v[2], rpw = v[3];
+    if (!ok || ctas < 1 || kb < 8 || kb > 64 || (w != 8 && w != 16) || (rpw != 1 && rpw != 2)) {
+        fprintf(stderr, "usage: pstep_lab plan CTAS STAGE_KB [WARPS [RPW]] (CTAS >= 1; STAGE_KB 8..64; WARPS 8 or "
+                        "16; RPW 1 or 2)\n");
         return 2;
     }
     for (const ps_group & g : ps_groups()) {
-        const mc_pmv_plan pl = ps_plan(g, w, ctas, kb * 1024);
+        const mc_pmv_plan pl = ps_plan(g, w, rpw, ctas, kb * 1024);
         if (pl.rs == 0) {
             fprintf(stderr, "pstep_lab: no piece shape fits K = %d in %d KB stages\n", g.k, kb);
             return 2;
@@ -366,8 +419,16 @@ static int ps_print_plans(const int argc, char ** argv) {
     return 0;
 }
 
+// the kernel for MC_LAB_PSTEP_MATH and _RPW
+template <int W> static auto ps_pick(const int math, const int rpw) {
+    if (rpw == 2) {
+        return math == 2 ? ps_kernel<2, W, 2> : math ? ps_kernel<1, W, 2> : ps_kernel<0, W, 2>;
+    }
+    return math == 2 ? ps_kernel<2, W, 1> : math ? ps_kernel<1, W, 1> : ps_kernel<0, W, 1>;
+}
+
 int main(int argc, char ** argv) {
-    if ((argc == 4 || argc == 5) && std::string(argv[1]) == "plan") {
+    if (argc >= 4 && argc <= 6 && std::string(argv[1]) == "plan") {
         return ps_print_plans(argc, argv);
     }
     char *    end     = nullptr;
@@ -385,6 +446,7 @@ int main(int argc, char ** argv) {
     const int math        = mc_env_int("MC_LAB_PSTEP_MATH", 0, 2, 1);
     const int warps       = mc_env_int("MC_LAB_PSTEP_WARPS", 8, 16, 8);
     const int nobar       = mc_env_int("MC_LAB_PSTEP_NOBAR", 0, 1, 0);
+    const int rpw         = mc_env_int("MC_LAB_PSTEP_RPW", 1, 2, 1);
     if (warps != 8 && warps != 16) {
         fprintf(stderr, "pstep_lab: MC_LAB_PSTEP_WARPS=%d: 8 or 16\n", warps);
         return 2;
@@ -402,8 +464,7 @@ int main(int argc, char ** argv) {
                 prop.minor);
         return 2;
     }
-    const auto kernel = warps == 16 ? (math == 2 ? ps_kernel<2, 16> : math ? ps_kernel<1, 16> : ps_kernel<0, 16>) :
-                                      (math == 2 ? ps_kernel<2, 8> : math ? ps_kernel<1, 8> : ps_kernel<0, 8>);
+    const auto kernel = warps == 16 ? ps_pick<16>(math, rpw) : ps_pick<8>(math, rpw);
     const size_t smem   = (size_t) stages * stage_bytes + MC_SMEM_PAD;
     LAB_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
     int occupancy = 0;
@@ -423,7 +484,7 @@ int main(int argc, char ** argv) {
     const std::vector<ps_group> & groups = ps_groups();
     std::vector<mc_pmv_plan>      plans;
     for (const ps_group & g : groups) {
-        plans.push_back(ps_plan(g, warps, ctas, stage_bytes));
+        plans.push_back(ps_plan(g, warps, rpw, ctas, stage_bytes));
         if (plans.back().rs == 0) {
             fprintf(stderr, "pstep_lab: no piece shape fits K = %d in %d KB stages\n", g.k, stage_bytes / 1024);
             return 2;
@@ -487,8 +548,8 @@ int main(int argc, char ** argv) {
     LAB_CHECK(cudaDeviceSynchronize());
     printf("{\"kind\": \"pstep\", \"scope\": %d, \"ctas\": %d, \"ctas_per_sm\": %d, \"stages\": %d, "
            "\"stage_bytes\": %d, \"gap_ns\": %d, \"core_ns\": %d, \"math\": %d, \"warps\": %d, \"nobar\": %d, "
-           "\"clock_khz\": %d}\n",
-           scope, ctas, per_sm, stages, stage_bytes, gap_ns, core_ns, math, warps, nobar, clock_khz);
+           "\"rpw\": %d, \"clock_khz\": %d}\n",
+           scope, ctas, per_sm, stages, stage_bytes, gap_ns, core_ns, math, warps, nobar, rpw, clock_khz);
 
     unsigned base = 0;  // the counter's value: every CTA arrives once a task
     auto     launch = [&](const int t0, const int t1) {
