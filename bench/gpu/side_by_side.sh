@@ -12,7 +12,8 @@
 # page-locked pool), numpy and gguf; the llama-cpp-python sdist (`python ggml-patches/build.py
 # --pack-sdist .device/llama_cpp_python-0.3.36.tar.gz`, done here when missing and pip has network;
 # MC_SDIST overrides), and, for the engine,
-# the diskcache and gguf wheels in .device/whl/ where pip has no network. The 27B model:
+# the diskcache and gguf wheels in .device/whl/ where pip has no network (MC_SBS_WHEELS; python3
+# bench/gpu/prepare_device.py puts the sdist and the wheels in .device/ on a machine with network). The 27B model:
 # MC_BENCH_MODEL names an existing qwen35 GGUF, else `python3 -m mcformat.random_model` writes a
 # random-weight one at the Qwen3.8 27B shapes (MC_SBS_WEIGHTS: q4_0, the default, or q8_0; the
 # output matrix Q6_K), 15.5 GB for Q4_0.
@@ -93,6 +94,17 @@ fi
 SDIST=$(readlink -f "$SDIST")
 WEIGHTS=${MC_SBS_WEIGHTS:-q4_0}  # the random model's weights: q4_0 or q8_0 (output Q6_K either way)
 MODEL=${MC_BENCH_MODEL:-$S/random-27b-$WEIGHTS.gguf}
+# The GPU machine has no network: what its python lacks comes as wheels in $WHEELS
+# (bench/gpu/prepare_device.py puts them there). Checked before anything is built: the random model
+# needs gguf, the engine llama_cpp's diskcache; without them a call failed only after its build (run BG).
+WHEELS=${MC_SBS_WHEELS:-.device/whl}
+need_module() {  # module, why: importable here or its wheel in $WHEELS, else refuse
+  python3 -c "import $1" 2> /dev/null || ls "$WHEELS"/"$1"-*.whl > /dev/null 2>&1 || {
+    echo "$2 needs the python module $1: not importable here and no $WHEELS/$1-*.whl" \
+      "(run python3 bench/gpu/prepare_device.py where there is network, then call again)"; exit 2; }
+}
+[ -f "$MODEL" ] || need_module gguf "the random model ($MODEL)"
+[ "${MC_SBS_ENGINE:-1}" = 1 ] && need_module diskcache "the engine part (MC_SBS_ENGINE=1)"
 BUILDS=${MC_SBS_BUILDS:-stock,patched}
 PROFILE=${MC_SBS_PROFILE:-}
 MC_SBS_PROFILE_K=${MC_SBS_PROFILE_K:-1}
@@ -138,8 +150,8 @@ if [ ! -f "$S/env.txt" ]; then
 fi
 
 # pure-Python wheels the machine lacks (no network there)
-if [ ! -f "$S/whl.done" ] && ls .device/whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps .device/whl/*.whl >> "$S/run.log" 2>&1 && touch "$S/whl.done"
+if [ ! -f "$S/whl.done" ] && ls "$WHEELS"/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps "$WHEELS"/*.whl >> "$S/run.log" 2>&1 && touch "$S/whl.done"
 fi
 
 # ---- the build: stock, then the patch series on top (background) ----

@@ -1,5 +1,6 @@
 """bench/gpu/side_by_side.sh refuses a bad MC_SBS_DRAWS (how many processes each verify measure runs)
-with a clear message before it builds or fetches anything; a good value passes that check. The
+with a clear message before it builds or fetches anything; a good value passes that check; a machine
+without the python modules the call needs is refused before the build (bench/gpu/prepare_device.py). The
 measuring itself needs a GPU (bench/results)."""
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu" / "side_by_side.sh"
@@ -138,3 +141,58 @@ def test_a_state_built_from_other_patches_or_without_stock_is_refused(tmp_path):
         assert res.returncode == 1 and "no sdist at" in res.stdout, (held, builds, res.stdout)
     res = run_on_state(tmp_path / "old", None, "stock,patched")  # a state from before the file
     assert res.returncode == 1 and "no sdist at" in res.stdout, res.stdout
+
+
+def test_a_machine_without_gguf_or_diskcache_is_refused_before_the_build(tmp_path):
+    """The GPU machine has no network: the random model needs gguf and the engine part diskcache,
+    importable there or as wheels in MC_SBS_WHEELS (bench/gpu/prepare_device.py puts them in
+    .device/whl). Without them the call is refused before anything is built, naming the module and
+    the fix (run BG's model generation failed only after its build); an existing model needs no gguf,
+    and MC_SBS_ENGINE=0 no diskcache."""
+    sdist = tmp_path / "sdist.tar.gz"
+    sdist.write_text("")  # past the sdist check
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    base = {"MC_SDIST": str(sdist), "MC_SBS_WHEELS": str(wheels)}
+    res = run_script(tmp_path, "exit 1", **base)
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert "the random model" in res.stdout and "needs the python module gguf" in res.stdout
+    assert "bench/gpu/prepare_device.py" in res.stdout
+    assert not (tmp_path / "state").exists()  # nothing built or made
+    (wheels / "gguf-0.19.0-py3-none-any.whl").write_text("")
+    res = run_script(tmp_path, "exit 1", **base)
+    assert (
+        res.returncode == 2
+        and "the engine part (MC_SBS_ENGINE=1) needs the python module diskcache" in res.stdout
+    )
+    model = tmp_path / "model.gguf"
+    model.write_text("")
+    (wheels / "gguf-0.19.0-py3-none-any.whl").unlink()
+    res = run_script(tmp_path, "exit 1", **base, MC_BENCH_MODEL=str(model), MC_SBS_ENGINE="0")
+    # past the check: the empty sdist stops it at the unpacking, before any build starts
+    assert "needs the python module" not in res.stdout, res.stdout
+    assert res.returncode == 1 and "cannot unpack" in res.stdout, (res.stdout, res.stderr)
+
+
+def test_prepare_device_names_what_a_device_folder_lacks(tmp_path):
+    """bench/gpu/prepare_device.py: the sdist and each wheel at the environment's version; a wheel of
+    another version does not count; a complete folder lacks nothing (then nothing is fetched)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "prepare_device", ROOT / "bench" / "gpu" / "prepare_device.py"
+    )
+    prep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prep)
+    versions = {"gguf": "0.19.0", "diskcache": "5.6.3"}
+    assert prep.missing(tmp_path, versions) == ["sdist", "gguf==0.19.0", "diskcache==5.6.3"]
+    (tmp_path / "whl").mkdir()
+    (tmp_path / "whl" / "gguf-0.18.0-py3-none-any.whl").write_text("")
+    (tmp_path / "whl" / "diskcache-5.6.3-py3-none-any.whl").write_text("")
+    (tmp_path / prep.SDIST_NAME).write_text("")
+    assert prep.missing(tmp_path, versions) == ["gguf==0.19.0"]
+    (tmp_path / "whl" / "gguf-0.19.0-py3-none-any.whl").write_text("")
+    assert prep.missing(tmp_path, versions) == []
+    assert prep.installed_version(sys.executable, "pytest")  # a version string from that environment
+    with pytest.raises(SystemExit, match="no not_a_module_here installed"):
+        prep.installed_version(sys.executable, "not_a_module_here")
