@@ -17,7 +17,8 @@
 // default 8), MC_LAB_PSTEP_STAGE_KB (8..64, default 24), MC_LAB_PSTEP_CTAS (CTAs an SM, 1..2, default
 // 1), MC_LAB_PSTEP_WARPS (8, default, or 16 a CTA: more warps to hide the arithmetic's latency; 16
 // rows a piece where they fit a stage), MC_LAB_PSTEP_RPW (1, default, or 2 rows a warp a piece: two
-// independent sums a lane, twice the rows a piece), MC_LAB_PSTEP_GAP_NS / MC_LAB_PSTEP_CORE_NS (0..1000000,
+// independent sums a lane, twice the rows a piece), MC_LAB_PSTEP_FORM (0, default: the warps meet a
+// piece; 1: they do not, DEC below; with RPW 1), MC_LAB_PSTEP_GAP_NS / MC_LAB_PSTEP_CORE_NS (0..1000000,
 // default 0), MC_LAB_PSTEP_NOBAR (1: no barrier waits, the barriers' cost; the outputs are the same,
 // the activations being fixed), MC_LAB_PSTEP_MATH (1, default; 0: the copies and waits alone, outputs
 // 0: a bound; 2: the arithmetic alone on whatever the stages hold, no copies and no waits for them:
@@ -38,6 +39,7 @@
 #include <vector>
 
 #define PS_MAX_STAGES 12
+#define PS_MAX_TASKS  256  // a launch's tasks at most (the 27B's step)
 
 // one task: a group's products (a launch of the library's), its pieces and activations
 struct ps_task {
@@ -105,14 +107,21 @@ static __device__ __forceinline__ void ps_step(const ps_task & T, int & s, int &
 // copy, read by every thread: broadcast loads, ~one register each) and a piece's product and row step
 // from the CTA's first piece of the task instead of being searched for (run BI's ncu profile of the
 // first form: ~340 instructions a warp a piece, half of them bookkeeping, and 62% of its L1 sectors
-// excess from every thread reading the descriptor from global memory)
-template <int MODE, int W, int RPW>
+// excess from every thread reading the descriptor from global memory).
+// DEC (MC_LAB_PSTEP_FORM=1): the warps do not wait for each other a piece (run BJ: 2.7 of the 9 cycles
+// between a warp's issues at the piece's CTA barrier). Each warp counts itself done with a stage; the
+// last of the W refills it (the copy for the piece `stages` later in the CTA's sequence, found from
+// the sequence index through a table of the CTA's pieces a task, so that any warp can issue it); a
+// row on several warps meets on a named barrier of those warps alone, its partial sums a stage apart
+template <int MODE, int W, int RPW, bool DEC>
 __launch_bounds__(W * WARP_SIZE, 1)
 static __global__ void ps_kernel(const ps_args a) {
     extern __shared__ __align__(16) char ps_smem_raw[];
     __shared__ uint64_t bars[PS_MAX_STAGES];
-    __shared__ float    red[W][2 * RPW];
+    __shared__ float    red[DEC ? PS_MAX_STAGES : 1][W][2 * RPW];
     __shared__ ps_task  cur, icur;  // the consumers' task and the issue cursor's (thread 0's)
+    __shared__ int      done[PS_MAX_STAGES];  // DEC: the warps done with a stage's piece
+    __shared__ int      pre[PS_MAX_TASKS + 1];  // DEC: the CTA's pieces before each task of the launch
     constexpr bool MATH   = MODE != 0;
     constexpr bool COPIES = MODE != 2;
     char *    smem = mc_smem_lines(ps_smem_raw);
@@ -149,12 +158,58 @@ static __global__ void ps_kernel(const ps_args a) {
         ++ii;
         ps_step(icur, is, irow);
     };
+    const int ntasks = a.t1 - a.t0;
+    auto      issue_seq = [&](const int j, const int stage) {  // DEC: the CTA's j-th piece, by any thread
+        if (!COPIES || j >= pre[ntasks]) {
+            return;
+        }
+        int lo = 0, hi = ntasks - 1;  // the last task k with pre[k] <= j (tasks without pieces skipped)
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (pre[mid] <= j) {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        const ps_task & T = a.tasks[a.t0 + lo];
+        int             first, n, s, row0;
+        ps_range(T, first, n);
+        ps_locate(T, first + j - pre[lo], s, row0);
+        const int      rows  = min(T.rs, T.nrows[s] - row0);
+        char *         st    = smem + stage * a.stage_bytes;
+        const uint32_t bytes = (uint32_t) (rows * T.row_bytes);
+        mc_mbar_arrive_expect(&bars[stage], T.gate ? 2 * bytes : bytes);
+        mc_bulk_copy(st, T.w[s] + (int64_t) row0 * T.row_bytes, bytes, &bars[stage]);
+        if (T.gate) {
+            mc_bulk_copy(st + T.rs * T.row_bytes, T.gate + (int64_t) row0 * T.row_bytes, bytes, &bars[stage]);
+        }
+    };
+    if (DEC) {
+        for (int k = tid; k < ntasks; k += blockDim.x) {
+            int first, n;
+            ps_range(a.tasks[a.t0 + k], first, n);
+            pre[k + 1] = n;
+        }
+        __syncthreads();
+    }
     if (tid == 0) {
         for (int i = 0; i < a.stages; ++i) {
             mc_mbar_init(&bars[i], 1);
+            done[i] = 0;
         }
-        for (int i = 0; i < a.stages; ++i) {
-            issue_next(i);
+        if (DEC) {
+            pre[0] = 0;
+            for (int k = 1; k <= ntasks; ++k) {
+                pre[k] += pre[k - 1];
+            }
+            for (int i = 0; i < a.stages; ++i) {
+                issue_seq(i, i);
+            }
+        } else {
+            for (int i = 0; i < a.stages; ++i) {
+                issue_next(i);
+            }
         }
     }
     __syncthreads();
@@ -241,20 +296,25 @@ static __global__ void ps_kernel(const ps_args a) {
                 }
             }
             if (wpr > 1) {
+                float(&rd)[W][2 * RPW] = red[DEC ? stage : 0];
                 if (lane == 0) {
 #pragma unroll
                     for (int k = 0; k < RPW; ++k) {
-                        red[warp][2 * k]     = acc[k];
-                        red[warp][2 * k + 1] = accg[k];
+                        rd[warp][2 * k]     = acc[k];
+                        rd[warp][2 * k + 1] = accg[k];
                     }
                 }
-                __syncthreads();
+                if (DEC) {  // the row's warps alone (consecutive: warp = r wpr + q)
+                    asm volatile("bar.sync %0, %1;" ::"r"(1 + r), "r"(wpr * WARP_SIZE) : "memory");
+                } else {
+                    __syncthreads();
+                }
                 if (q == 0 && lane == 0) {
                     for (int j = 1; j < wpr; ++j) {
 #pragma unroll
                         for (int k = 0; k < RPW; ++k) {
-                            acc[k] += red[warp + j][2 * k];
-                            accg[k] += red[warp + j][2 * k + 1];
+                            acc[k] += rd[warp + j][2 * k];
+                            accg[k] += rd[warp + j][2 * k + 1];
                         }
                     }
                 }
@@ -268,9 +328,20 @@ static __global__ void ps_kernel(const ps_args a) {
                     }
                 }
             }
-            __syncthreads();  // every warp is done with this stage (and with red): refill it
-            if (tid == 0) {
-                issue_next(stage);
+            if (DEC) {  // this warp is done with the stage; the last of the W refills it
+                __syncwarp();
+                if (lane == 0) {
+                    __threadfence_block();
+                    if (atomicAdd(&done[stage], 1) == W - 1) {
+                        done[stage] = 0;
+                        issue_seq(pre[t - a.t0] + i + a.stages, stage);
+                    }
+                }
+            } else {
+                __syncthreads();  // every warp is done with this stage (and with red): refill it
+                if (tid == 0) {
+                    issue_next(stage);
+                }
             }
             if (++stage == a.stages) {
                 stage = 0;
@@ -419,12 +490,15 @@ static int ps_print_plans(const int argc, char ** argv) {
     return 0;
 }
 
-// the kernel for MC_LAB_PSTEP_MATH and _RPW
-template <int W> static auto ps_pick(const int math, const int rpw) {
-    if (rpw == 2) {
-        return math == 2 ? ps_kernel<2, W, 2> : math ? ps_kernel<1, W, 2> : ps_kernel<0, W, 2>;
+// the kernel for MC_LAB_PSTEP_MATH, _RPW and _FORM
+template <int W> static auto ps_pick(const int math, const int rpw, const int form) {
+    if (form == 1) {
+        return math == 2 ? ps_kernel<2, W, 1, true> : math ? ps_kernel<1, W, 1, true> : ps_kernel<0, W, 1, true>;
     }
-    return math == 2 ? ps_kernel<2, W, 1> : math ? ps_kernel<1, W, 1> : ps_kernel<0, W, 1>;
+    if (rpw == 2) {
+        return math == 2 ? ps_kernel<2, W, 2, false> : math ? ps_kernel<1, W, 2, false> : ps_kernel<0, W, 2, false>;
+    }
+    return math == 2 ? ps_kernel<2, W, 1, false> : math ? ps_kernel<1, W, 1, false> : ps_kernel<0, W, 1, false>;
 }
 
 int main(int argc, char ** argv) {
@@ -447,6 +521,11 @@ int main(int argc, char ** argv) {
     const int warps       = mc_env_int("MC_LAB_PSTEP_WARPS", 8, 16, 8);
     const int nobar       = mc_env_int("MC_LAB_PSTEP_NOBAR", 0, 1, 0);
     const int rpw         = mc_env_int("MC_LAB_PSTEP_RPW", 1, 2, 1);
+    const int form        = mc_env_int("MC_LAB_PSTEP_FORM", 0, 1, 0);
+    if (form == 1 && rpw != 1) {
+        fprintf(stderr, "pstep_lab: MC_LAB_PSTEP_FORM=1 runs one row a warp a piece (MC_LAB_PSTEP_RPW=1)\n");
+        return 2;
+    }
     if (warps != 8 && warps != 16) {
         fprintf(stderr, "pstep_lab: MC_LAB_PSTEP_WARPS=%d: 8 or 16\n", warps);
         return 2;
@@ -464,7 +543,7 @@ int main(int argc, char ** argv) {
                 prop.minor);
         return 2;
     }
-    const auto kernel = warps == 16 ? ps_pick<16>(math, rpw) : ps_pick<8>(math, rpw);
+    const auto kernel = warps == 16 ? ps_pick<16>(math, rpw, form) : ps_pick<8>(math, rpw, form);
     const size_t smem   = (size_t) stages * stage_bytes + MC_SMEM_PAD;
     LAB_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
     int occupancy = 0;
@@ -548,8 +627,8 @@ int main(int argc, char ** argv) {
     LAB_CHECK(cudaDeviceSynchronize());
     printf("{\"kind\": \"pstep\", \"scope\": %d, \"ctas\": %d, \"ctas_per_sm\": %d, \"stages\": %d, "
            "\"stage_bytes\": %d, \"gap_ns\": %d, \"core_ns\": %d, \"math\": %d, \"warps\": %d, \"nobar\": %d, "
-           "\"rpw\": %d, \"clock_khz\": %d}\n",
-           scope, ctas, per_sm, stages, stage_bytes, gap_ns, core_ns, math, warps, nobar, rpw, clock_khz);
+           "\"rpw\": %d, \"form\": %d, \"clock_khz\": %d}\n",
+           scope, ctas, per_sm, stages, stage_bytes, gap_ns, core_ns, math, warps, nobar, rpw, form, clock_khz);
 
     unsigned base = 0;  // the counter's value: every CTA arrives once a task
     auto     launch = [&](const int t0, const int t1) {
@@ -563,6 +642,10 @@ int main(int argc, char ** argv) {
         }
     };
     const int ntasks = (int) tasks.size();
+    if (ntasks > PS_MAX_TASKS) {  // a launch's tasks index the kernel's table (DEC): the step is one launch
+        fprintf(stderr, "pstep_lab: %d tasks, more than the kernel's table holds (%d)\n", ntasks, PS_MAX_TASKS);
+        return 2;
+    }
     auto      step   = [&]() {
         const int span = scope == 0 ? 1 : (scope == 1 ? 4 : ntasks);
         for (int t = 0; t < ntasks; t += span) {

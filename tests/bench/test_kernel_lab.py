@@ -154,6 +154,15 @@ def test_each_lab_compiles_against_the_patched_tree(compiled_lab, lab, bad):
     for args, msg in bad:
         res = subprocess.run([str(exe), *args], capture_output=True, text=True, check=False)
         assert res.returncode == 2 and msg in res.stderr, (args, res.stderr)
+    if lab == "pstep":  # settings that do not go together, refused before any GPU call
+        for env, msg in (
+            ({"MC_LAB_PSTEP_FORM": "1", "MC_LAB_PSTEP_RPW": "2"}, "MC_LAB_PSTEP_FORM=1 runs one row a warp"),
+            ({"MC_LAB_PSTEP_WARPS": "12"}, "MC_LAB_PSTEP_WARPS=12: 8 or 16"),
+        ):
+            res = subprocess.run(
+                [str(exe), "3"], capture_output=True, text=True, check=False, env={**os.environ, **env}
+            )
+            assert res.returncode == 2 and msg in res.stderr, (env, res.stderr)
     if lab == "mmr":  # the Q6_K output product's mode (MC_LAB_Q6K=1) times 9..16 columns only
         env = {**os.environ, "MC_LAB_Q6K": "1"}
         res = subprocess.run([str(exe), "3", "1"], capture_output=True, text=True, check=False, env=env)
