@@ -102,6 +102,21 @@ static __device__ __forceinline__ void ps_step(const ps_task & T, int & s, int &
     }
 }
 
+// named barrier 1 + r (r < 8) of n threads: the ids as immediates, so that the kernel holds 9 of an
+// SM's barriers, not all 16 (a register id makes the compiler reserve every one)
+static __device__ __forceinline__ void ps_row_barrier(const int r, const int n) {
+    switch (r) {
+        case 0: asm volatile("bar.sync 1, %0;" ::"r"(n) : "memory"); break;
+        case 1: asm volatile("bar.sync 2, %0;" ::"r"(n) : "memory"); break;
+        case 2: asm volatile("bar.sync 3, %0;" ::"r"(n) : "memory"); break;
+        case 3: asm volatile("bar.sync 4, %0;" ::"r"(n) : "memory"); break;
+        case 4: asm volatile("bar.sync 5, %0;" ::"r"(n) : "memory"); break;
+        case 5: asm volatile("bar.sync 6, %0;" ::"r"(n) : "memory"); break;
+        case 6: asm volatile("bar.sync 7, %0;" ::"r"(n) : "memory"); break;
+        default: asm volatile("bar.sync 8, %0;" ::"r"(n) : "memory"); break;
+    }
+}
+
 // W warps a CTA; RPW rows a warp a piece (MC_LAB_PSTEP_RPW: a piece is (W / wpr) x RPW rows, wpr warps
 // a row); MODE: MC_LAB_PSTEP_MATH. The current task's descriptor sits in shared memory (the consumers'
 // copy, read by every thread: broadcast loads, ~one register each) and a piece's product and row step
@@ -129,6 +144,17 @@ static __global__ void ps_kernel(const ps_args a) {
     const int warp = tid / WARP_SIZE;
     const int lane = tid % WARP_SIZE;
 
+    // piece (s, row0) of T into that stage: its rows of the product (and, gated, of the gate beside them)
+    auto copy_piece = [&](const ps_task & T, const int s, const int row0, const int stage) {
+        const int      rows  = min(T.rs, T.nrows[s] - row0);
+        char *         st    = smem + stage * a.stage_bytes;
+        const uint32_t bytes = (uint32_t) (rows * T.row_bytes);
+        mc_mbar_arrive_expect(&bars[stage], T.gate ? 2 * bytes : bytes);
+        mc_bulk_copy(st, T.w[s] + (int64_t) row0 * T.row_bytes, bytes, &bars[stage]);
+        if (T.gate) {
+            mc_bulk_copy(st + T.rs * T.row_bytes, T.gate + (int64_t) row0 * T.row_bytes, bytes, &bars[stage]);
+        }
+    };
     // the issue cursor (thread 0): the CTA's pieces of tasks t0..t1 in order, one sequence for the ring
     int  it = a.t0 - 1, ii = 0, in = 0, is = 0, irow = 0;
     auto issue_next = [&](const int stage) {
@@ -146,15 +172,7 @@ static __global__ void ps_kernel(const ps_args a) {
             ps_locate(icur, first, is, irow);
             ii = 0;
         }
-        const int      rows  = min(icur.rs, icur.nrows[is] - irow);
-        char *         st    = smem + stage * a.stage_bytes;
-        const uint32_t bytes = (uint32_t) (rows * icur.row_bytes);
-        mc_mbar_arrive_expect(&bars[stage], icur.gate ? 2 * bytes : bytes);
-        mc_bulk_copy(st, icur.w[is] + (int64_t) irow * icur.row_bytes, bytes, &bars[stage]);
-        if (icur.gate) {
-            mc_bulk_copy(st + icur.rs * icur.row_bytes, icur.gate + (int64_t) irow * icur.row_bytes, bytes,
-                         &bars[stage]);
-        }
+        copy_piece(icur, is, irow, stage);
         ++ii;
         ps_step(icur, is, irow);
     };
@@ -176,14 +194,7 @@ static __global__ void ps_kernel(const ps_args a) {
         int             first, n, s, row0;
         ps_range(T, first, n);
         ps_locate(T, first + j - pre[lo], s, row0);
-        const int      rows  = min(T.rs, T.nrows[s] - row0);
-        char *         st    = smem + stage * a.stage_bytes;
-        const uint32_t bytes = (uint32_t) (rows * T.row_bytes);
-        mc_mbar_arrive_expect(&bars[stage], T.gate ? 2 * bytes : bytes);
-        mc_bulk_copy(st, T.w[s] + (int64_t) row0 * T.row_bytes, bytes, &bars[stage]);
-        if (T.gate) {
-            mc_bulk_copy(st + T.rs * T.row_bytes, T.gate + (int64_t) row0 * T.row_bytes, bytes, &bars[stage]);
-        }
+        copy_piece(T, s, row0, stage);
     };
     if (DEC) {
         for (int k = tid; k < ntasks; k += blockDim.x) {
@@ -305,7 +316,7 @@ static __global__ void ps_kernel(const ps_args a) {
                     }
                 }
                 if (DEC) {  // the row's warps alone (consecutive: warp = r wpr + q)
-                    asm volatile("bar.sync %0, %1;" ::"r"(1 + r), "r"(wpr * WARP_SIZE) : "memory");
+                    ps_row_barrier(r, wpr * WARP_SIZE);
                 } else {
                     __syncthreads();
                 }
