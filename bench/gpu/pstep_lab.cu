@@ -18,7 +18,8 @@
 // 1), MC_LAB_PSTEP_WARPS (8, default, or 16 a CTA: more warps to hide the arithmetic's latency; 16
 // rows a piece where they fit a stage), MC_LAB_PSTEP_RPW (1, default, or 2 rows a warp a piece: two
 // independent sums a lane, twice the rows a piece), MC_LAB_PSTEP_FORM (0, default: the warps meet a
-// piece; 1: they do not, DEC below; with RPW 1), MC_LAB_PSTEP_GAP_NS / MC_LAB_PSTEP_CORE_NS (0..1000000,
+// piece; 1: they do not, DEC below; with RPW 1), MC_LAB_PSTEP_NIB (1, with FORM 1: the high nibbles
+// through dp4a.u32.s32, ps_q4_0_dot), MC_LAB_PSTEP_GAP_NS / MC_LAB_PSTEP_CORE_NS (0..1000000,
 // default 0), MC_LAB_PSTEP_NOBAR (1: no barrier waits, the barriers' cost; the outputs are the same,
 // the activations being fixed), MC_LAB_PSTEP_MATH (1, default; 0: the copies and waits alone, outputs
 // 0: a bound; 2: the arithmetic alone on whatever the stages hold, no copies and no waits for them:
@@ -102,6 +103,31 @@ static __device__ __forceinline__ void ps_step(const ps_task & T, int & s, int &
     }
 }
 
+// mc_q4_0_dot with the high nibbles left in place (NIB, MC_LAB_PSTEP_NIB=1): v & 0xF0F0F0F0 holds 16 x
+// each high nibble, unsigned, so dp4a.u32.s32 against the signed activations sums 16 x their products;
+// shifted back once a block, the integer sum is the same as mc_q4_0_dot's (exact: a multiple of 16), so
+// the result is too. One shift less an int (4 a block) and two independent chains of 4 instead of one
+// of 8 (tests/bench/test_kernel_lab.py checks the identity on every nibble and activation value)
+static __device__ __forceinline__ int ps_dp4a_us(const int a, const int b, const int c) {
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+template <bool NIB>
+static __device__ __forceinline__ float ps_q4_0_dot(const float d4, const int (&v)[4], const int (&u)[8], const float2 ds) {
+    if (!NIB) {
+        return mc_q4_0_dot(d4, v, u, ds);
+    }
+    int lo = 0, hi = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        lo = ggml_cuda_dp4a(v[i] & 0x0F0F0F0F, u[i], lo);
+        hi = ps_dp4a_us(v[i] & (int) 0xF0F0F0F0, u[i + 4], hi);
+    }
+    return d4 * ((lo + (hi >> 4)) * ds.x - 8.0f * ds.y);
+}
+
 // named barrier 1 + r (r < 8) of n threads: the ids as immediates, so that the kernel holds 9 of an
 // SM's barriers, not all 16 (a register id makes the compiler reserve every one)
 static __device__ __forceinline__ void ps_row_barrier(const int r, const int n) {
@@ -128,7 +154,7 @@ static __device__ __forceinline__ void ps_row_barrier(const int r, const int n) 
 // last of the W refills it (the copy for the piece `stages` later in the CTA's sequence, found from
 // the sequence index through a table of the CTA's pieces a task, so that any warp can issue it); a
 // row on several warps meets on a named barrier of those warps alone, its partial sums a stage apart
-template <int MODE, int W, int RPW, bool DEC>
+template <int MODE, int W, int RPW, bool DEC, bool NIB = false>
 __launch_bounds__(W * WARP_SIZE, 1)
 static __global__ void ps_kernel(const ps_args a) {
     extern __shared__ __align__(16) char ps_smem_raw[];
@@ -287,12 +313,12 @@ static __global__ void ps_kernel(const ps_args a) {
                                 int          v0[4], v1[4];
                                 float        d0, d1;
                                 mc_q4_0_unpack2(wrow, v0, v1, d0, d1);
-                                acc[k] += mc_q4_0_dot(d0, v0, u[2 * jp], ds[2 * jp]);
-                                acc[k] += mc_q4_0_dot(d1, v1, u[2 * jp + 1], ds[2 * jp + 1]);
+                                acc[k] += ps_q4_0_dot<NIB>(d0, v0, u[2 * jp], ds[2 * jp]);
+                                acc[k] += ps_q4_0_dot<NIB>(d1, v1, u[2 * jp + 1], ds[2 * jp + 1]);
                                 if (gate) {
                                     mc_q4_0_unpack2(wrow + T.rs * T.row_bytes, v0, v1, d0, d1);
-                                    accg[k] += mc_q4_0_dot(d0, v0, u[2 * jp], ds[2 * jp]);
-                                    accg[k] += mc_q4_0_dot(d1, v1, u[2 * jp + 1], ds[2 * jp + 1]);
+                                    accg[k] += ps_q4_0_dot<NIB>(d0, v0, u[2 * jp], ds[2 * jp]);
+                                    accg[k] += ps_q4_0_dot<NIB>(d1, v1, u[2 * jp + 1], ds[2 * jp + 1]);
                                 }
                             }
                         }
@@ -501,8 +527,13 @@ static int ps_print_plans(const int argc, char ** argv) {
     return 0;
 }
 
-// the kernel for MC_LAB_PSTEP_MATH, _RPW and _FORM
-template <int W> static auto ps_pick(const int math, const int rpw, const int form) {
+// the kernel for MC_LAB_PSTEP_MATH, _RPW, _FORM and _NIB
+template <int W> static auto ps_pick(const int math, const int rpw, const int form, const int nib) {
+    if (nib == 1) {
+        return math == 2 ? ps_kernel<2, W, 1, true, true> :
+               math      ? ps_kernel<1, W, 1, true, true> :
+                           ps_kernel<0, W, 1, true>;
+    }
     if (form == 1) {
         return math == 2 ? ps_kernel<2, W, 1, true> : math ? ps_kernel<1, W, 1, true> : ps_kernel<0, W, 1, true>;
     }
@@ -533,8 +564,13 @@ int main(int argc, char ** argv) {
     const int nobar       = mc_env_int("MC_LAB_PSTEP_NOBAR", 0, 1, 0);
     const int rpw         = mc_env_int("MC_LAB_PSTEP_RPW", 1, 2, 1);
     const int form        = mc_env_int("MC_LAB_PSTEP_FORM", 0, 1, 0);
+    const int nib         = mc_env_int("MC_LAB_PSTEP_NIB", 0, 1, 0);
     if (form == 1 && rpw != 1) {
         fprintf(stderr, "pstep_lab: MC_LAB_PSTEP_FORM=1 runs one row a warp a piece (MC_LAB_PSTEP_RPW=1)\n");
+        return 2;
+    }
+    if (nib == 1 && form != 1) {
+        fprintf(stderr, "pstep_lab: MC_LAB_PSTEP_NIB=1 runs with MC_LAB_PSTEP_FORM=1 only\n");
         return 2;
     }
     if (warps != 8 && warps != 16) {
@@ -554,7 +590,7 @@ int main(int argc, char ** argv) {
                 prop.minor);
         return 2;
     }
-    const auto kernel = warps == 16 ? ps_pick<16>(math, rpw, form) : ps_pick<8>(math, rpw, form);
+    const auto kernel = warps == 16 ? ps_pick<16>(math, rpw, form, nib) : ps_pick<8>(math, rpw, form, nib);
     const size_t smem   = (size_t) stages * stage_bytes + MC_SMEM_PAD;
     LAB_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
     int occupancy = 0;
@@ -638,8 +674,8 @@ int main(int argc, char ** argv) {
     LAB_CHECK(cudaDeviceSynchronize());
     printf("{\"kind\": \"pstep\", \"scope\": %d, \"ctas\": %d, \"ctas_per_sm\": %d, \"stages\": %d, "
            "\"stage_bytes\": %d, \"gap_ns\": %d, \"core_ns\": %d, \"math\": %d, \"warps\": %d, \"nobar\": %d, "
-           "\"rpw\": %d, \"form\": %d, \"clock_khz\": %d}\n",
-           scope, ctas, per_sm, stages, stage_bytes, gap_ns, core_ns, math, warps, nobar, rpw, form, clock_khz);
+           "\"rpw\": %d, \"form\": %d, \"nib\": %d, \"clock_khz\": %d}\n",
+           scope, ctas, per_sm, stages, stage_bytes, gap_ns, core_ns, math, warps, nobar, rpw, form, nib, clock_khz);
 
     unsigned base = 0;  // the counter's value: every CTA arrives once a task
     auto     launch = [&](const int t0, const int t1) {
