@@ -528,6 +528,103 @@ template <int W> static auto ps_pick(const int math, const int rpw, const int fo
     return math == 2 ? ps_kernel<2, W, 1, false> : math ? ps_kernel<1, W, 1, false> : ps_kernel<0, W, 1, false>;
 }
 
+// each group's checksum over the step's outputs and its largest difference from the reference in double
+// (relative to the group's RMS), one JSON line a group
+static void ps_print_checks(const std::vector<ps_group> & groups, const std::vector<int> & order,
+                            const std::vector<ps_task> & tasks) {
+    std::vector<double> sum(groups.size()), sumsq(groups.size()), worst(groups.size()), refsq(groups.size());
+    std::vector<int64_t> count(groups.size());
+    double *             ref;
+    LAB_CHECK(cudaMalloc(&ref, sizeof(double) * 17408));
+    std::vector<std::vector<std::pair<std::vector<float>, std::vector<double>>>> outs(groups.size());
+    for (size_t t = 0; t < tasks.size(); ++t) {
+        const ps_task & T  = tasks[t];
+        const int       gi = order[t];
+        for (int p = 0; p < T.n; ++p) {
+            const std::vector<float> h = lab_fetch<float>(T.dst[p], T.nrows[p]);
+            ps_reference<<<(unsigned) ((T.nrows[p] + 127) / 128), 128>>>(T.w[p], T.gate, T.y, T.nblocks, T.row_bytes,
+                                                                          T.nrows[p], ref);
+            LAB_CHECK(cudaGetLastError());
+            const std::vector<double> hr = lab_fetch<double>(ref, T.nrows[p]);
+            for (int i = 0; i < T.nrows[p]; ++i) {
+                sum[gi] += h[i];
+                sumsq[gi] += (double) h[i] * h[i];
+                refsq[gi] += hr[i] * hr[i];
+            }
+            count[gi] += T.nrows[p];
+            outs[gi].emplace_back(h, hr);
+        }
+    }
+    for (size_t gi = 0; gi < groups.size(); ++gi) {
+        const double rms = std::sqrt(refsq[gi] / std::max<int64_t>(1, count[gi]));
+        for (const auto & [h, hr] : outs[gi]) {
+            for (size_t i = 0; i < h.size(); ++i) {
+                worst[gi] = std::max(worst[gi], std::fabs(h[i] - hr[i]) / std::max(rms, 1e-30));
+            }
+        }
+        auto num = [](const double v) {  // JSON: null where the value is not finite (MATH=2's outputs)
+            char buf[32];
+            snprintf(buf, sizeof(buf), std::isfinite(v) ? "%.9e" : "null", v);
+            return std::string(buf);
+        };
+        printf("{\"kind\": \"check\", \"group\": \"%s\", \"sum\": %s, \"sumsq\": %s, \"ref_rel\": %s}\n",
+               groups[gi].name, num(sum[gi]).c_str(), num(sumsq[gi]).c_str(), num(worst[gi]).c_str());
+    }
+}
+
+// the step's tasks in order, each with its own random weights and outputs, the activations one q8_1
+// vector a K, the modelled waits in clock cycles; returns the step's weight bytes
+static int64_t ps_build_tasks(const std::vector<ps_group> & groups, const std::vector<mc_pmv_plan> & plans,
+                              const std::vector<int> & order, const int gap_ns, const int core_ns, const int clock_khz,
+                              std::vector<ps_task> & tasks) {
+    std::vector<block_q8_1 *> ys(groups.size());
+    for (size_t gi = 0; gi < groups.size(); ++gi) {
+        const int nb = groups[gi].k / QK4_0;
+        float *   x;
+        LAB_CHECK(cudaMalloc(&x, sizeof(float) * groups[gi].k));
+        LAB_CHECK(cudaMalloc(&ys[gi], sizeof(block_q8_1) * nb));
+        lab_fill_f32<<<(unsigned) ((groups[gi].k + 255) / 256), 256>>>(x, groups[gi].k, 101u + (uint32_t) gi);
+        lab_quantize_q8_1<<<(unsigned) ((nb + 7) / 8), 256>>>(x, ys[gi], nb);
+        LAB_CHECK(cudaGetLastError());
+        LAB_CHECK(cudaDeviceSynchronize());
+        LAB_CHECK(cudaFree(x));
+    }
+    tasks.assign(order.size(), ps_task{});
+    int64_t  step_bytes = 0;
+    uint32_t seed       = 1;
+    auto     fill       = [&](const ps_group & g, const int rows) {
+        char *        w;
+        const int64_t nb = (int64_t) rows * (g.k / QK4_0);
+        LAB_CHECK(cudaMalloc(&w, nb * sizeof(block_q4_0)));
+        lab_fill_q4_0<<<(unsigned) ((nb + 255) / 256), 256>>>((block_q4_0 *) w, nb, seed++ * 2654435761u);
+        return w;
+    };
+    const long long cycles_a_ns_x1000 = clock_khz;  // cycles = ns x kHz / 1e6
+    for (size_t t = 0; t < order.size(); ++t) {
+        const ps_group &    g  = groups[order[t]];
+        const mc_pmv_plan & pl = plans[order[t]];
+        ps_task &           T  = tasks[t];
+        T                      = ps_task{};
+        T.n                    = (int) g.rows.size();
+        for (int p = 0; p < T.n; ++p) {
+            T.w[p]           = fill(g, g.rows[p]);
+            T.nrows[p]       = g.rows[p];
+            T.piece_begin[p] = pl.piece_begin[p];
+            LAB_CHECK(cudaMalloc(&T.dst[p], sizeof(float) * g.rows[p]));
+        }
+        T.gate      = g.nw == 2 ? fill(g, g.rows[0]) : nullptr;
+        T.y         = ys[order[t]];
+        T.npieces   = pl.npieces;
+        T.nblocks   = g.k / QK4_0;
+        T.row_bytes = (int) ps_row_bytes(g);
+        T.rs        = pl.rs;
+        const bool after_core = t > 0 && (order[t - 1] == PS_GDN_IN || order[t - 1] == PS_ATTN_IN);
+        T.gap_cycles = (long long) (after_core ? core_ns : gap_ns) * cycles_a_ns_x1000 / 1000000;
+        step_bytes += ps_group_bytes(g);
+    }
+    return step_bytes;
+}
+
 int main(int argc, char ** argv) {
     if (argc >= 4 && argc <= 6 && std::string(argv[1]) == "plan") {
         return ps_print_plans(argc, argv);
@@ -591,8 +688,9 @@ int main(int argc, char ** argv) {
     }
     const int ctas = per_sm * nsm;
 
-    // the plans, the activations (one q8_1 vector a K), the tasks with their own weights and outputs
+    // the plans, then the tasks
     const std::vector<ps_group> & groups = ps_groups();
+    const std::vector<int>        order  = ps_step_order();
     std::vector<mc_pmv_plan>      plans;
     for (const ps_group & g : groups) {
         plans.push_back(ps_plan(g, warps, rpw, ctas, stage_bytes));
@@ -603,52 +701,8 @@ int main(int argc, char ** argv) {
         printf("{\"kind\": \"plan\", \"group\": \"%s\", \"rows_a_piece\": %d, \"pieces\": %d}\n", g.name,
                plans.back().rs, plans.back().npieces);
     }
-    std::vector<block_q8_1 *> ys(groups.size());
-    for (size_t gi = 0; gi < groups.size(); ++gi) {
-        const int nb = groups[gi].k / QK4_0;
-        float *   x;
-        LAB_CHECK(cudaMalloc(&x, sizeof(float) * groups[gi].k));
-        LAB_CHECK(cudaMalloc(&ys[gi], sizeof(block_q8_1) * nb));
-        lab_fill_f32<<<(unsigned) ((groups[gi].k + 255) / 256), 256>>>(x, groups[gi].k, 101u + (uint32_t) gi);
-        lab_quantize_q8_1<<<(unsigned) ((nb + 7) / 8), 256>>>(x, ys[gi], nb);
-        LAB_CHECK(cudaGetLastError());
-        LAB_CHECK(cudaDeviceSynchronize());
-        LAB_CHECK(cudaFree(x));
-    }
-    const std::vector<int> order = ps_step_order();
-    std::vector<ps_task>   tasks(order.size());
-    int64_t                step_bytes = 0;
-    uint32_t               seed       = 1;
-    auto                   fill       = [&](const ps_group & g, const int rows) {
-        char *        w;
-        const int64_t nb = (int64_t) rows * (g.k / QK4_0);
-        LAB_CHECK(cudaMalloc(&w, nb * sizeof(block_q4_0)));
-        lab_fill_q4_0<<<(unsigned) ((nb + 255) / 256), 256>>>((block_q4_0 *) w, nb, seed++ * 2654435761u);
-        return w;
-    };
-    const long long cycles_a_ns_x1000 = clock_khz;  // cycles = ns x kHz / 1e6
-    for (size_t t = 0; t < order.size(); ++t) {
-        const ps_group &    g  = groups[order[t]];
-        const mc_pmv_plan & pl = plans[order[t]];
-        ps_task &           T  = tasks[t];
-        T                      = ps_task{};
-        T.n                    = (int) g.rows.size();
-        for (int p = 0; p < T.n; ++p) {
-            T.w[p]           = fill(g, g.rows[p]);
-            T.nrows[p]       = g.rows[p];
-            T.piece_begin[p] = pl.piece_begin[p];
-            LAB_CHECK(cudaMalloc(&T.dst[p], sizeof(float) * g.rows[p]));
-        }
-        T.gate      = g.nw == 2 ? fill(g, g.rows[0]) : nullptr;
-        T.y         = ys[order[t]];
-        T.npieces   = pl.npieces;
-        T.nblocks   = g.k / QK4_0;
-        T.row_bytes = (int) ps_row_bytes(g);
-        T.rs        = pl.rs;
-        const bool after_core = t > 0 && (order[t - 1] == PS_GDN_IN || order[t - 1] == PS_ATTN_IN);
-        T.gap_cycles = (long long) (after_core ? core_ns : gap_ns) * cycles_a_ns_x1000 / 1000000;
-        step_bytes += ps_group_bytes(g);
-    }
+    std::vector<ps_task> tasks;
+    const int64_t step_bytes = ps_build_tasks(groups, plans, order, gap_ns, core_ns, clock_khz, tasks);
     LAB_CHECK(cudaGetLastError());
     ps_task *  dtasks;
     unsigned * ctr;
@@ -705,45 +759,7 @@ int main(int argc, char ** argv) {
     float ms = 0.0f;
     LAB_CHECK(cudaEventElapsedTime(&ms, e0, e1));
 
-    // each group's checksum over the step's outputs and its largest difference from the reference
-    std::vector<double> sum(groups.size()), sumsq(groups.size()), worst(groups.size()), refsq(groups.size());
-    std::vector<int64_t> count(groups.size());
-    double *             ref;
-    LAB_CHECK(cudaMalloc(&ref, sizeof(double) * 17408));
-    std::vector<std::vector<std::pair<std::vector<float>, std::vector<double>>>> outs(groups.size());
-    for (size_t t = 0; t < tasks.size(); ++t) {
-        const ps_task & T  = tasks[t];
-        const int       gi = order[t];
-        for (int p = 0; p < T.n; ++p) {
-            const std::vector<float> h = lab_fetch<float>(T.dst[p], T.nrows[p]);
-            ps_reference<<<(unsigned) ((T.nrows[p] + 127) / 128), 128>>>(T.w[p], T.gate, T.y, T.nblocks, T.row_bytes,
-                                                                          T.nrows[p], ref);
-            LAB_CHECK(cudaGetLastError());
-            const std::vector<double> hr = lab_fetch<double>(ref, T.nrows[p]);
-            for (int i = 0; i < T.nrows[p]; ++i) {
-                sum[gi] += h[i];
-                sumsq[gi] += (double) h[i] * h[i];
-                refsq[gi] += hr[i] * hr[i];
-            }
-            count[gi] += T.nrows[p];
-            outs[gi].emplace_back(h, hr);
-        }
-    }
-    for (size_t gi = 0; gi < groups.size(); ++gi) {
-        const double rms = std::sqrt(refsq[gi] / std::max<int64_t>(1, count[gi]));
-        for (const auto & [h, hr] : outs[gi]) {
-            for (size_t i = 0; i < h.size(); ++i) {
-                worst[gi] = std::max(worst[gi], std::fabs(h[i] - hr[i]) / std::max(rms, 1e-30));
-            }
-        }
-        auto num = [](const double v) {  // JSON: null where the value is not finite (MATH=2's outputs)
-            char buf[32];
-            snprintf(buf, sizeof(buf), std::isfinite(v) ? "%.9e" : "null", v);
-            return std::string(buf);
-        };
-        printf("{\"kind\": \"check\", \"group\": \"%s\", \"sum\": %s, \"sumsq\": %s, \"ref_rel\": %s}\n",
-               groups[gi].name, num(sum[gi]).c_str(), num(sumsq[gi]).c_str(), num(worst[gi]).c_str());
-    }
+    ps_print_checks(groups, order, tasks);
     printf("{\"kind\": \"step\", \"step_ms\": %.4f, \"bytes\": %lld, \"tasks\": %d}\n", ms / repeats,
            (long long) step_bytes, ntasks);
     return 0;
