@@ -23,7 +23,10 @@ WHEELS = ("gguf", "diskcache")  # what side_by_side.sh's need_module asks for
 def installed_version(python: str, module: str) -> str:
     """The version of module's distribution in that python's environment."""
     code = f"import importlib.metadata as m; print(m.version({module!r}))"
-    res = subprocess.run([python, "-c", code], capture_output=True, text=True, check=False)
+    try:
+        res = subprocess.run([python, "-c", code], capture_output=True, text=True, check=False)
+    except OSError as e:
+        raise SystemExit(f"--python {python}: cannot run it ({e.strerror}); run `make setup` first") from None
     if res.returncode != 0:
         raise SystemExit(
             f"{python}: no {module} installed ({res.stderr.strip()[-300:]}); run `make setup` first"
@@ -49,12 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     device = Path(a.dir)
     versions = {name: installed_version(a.python, name) for name in WHEELS}
-    todo = missing(device, versions)
-    if "sdist" in todo:
+    lacking = missing(device, versions)
+    if "sdist" in lacking:
         device.mkdir(parents=True, exist_ok=True)
         cmd = [a.python, str(ROOT / "ggml-patches" / "build.py"), "--pack-sdist", str(device / SDIST_NAME)]
         subprocess.run(cmd, check=True)
-    wheels = [t for t in todo if t != "sdist"]
+    wheels = [t for t in lacking if t != "sdist"]
     if wheels:
         (device / "whl").mkdir(parents=True, exist_ok=True)
         cmd = [a.python, "-m", "pip", "download", "--quiet", "--no-deps", *wheels, "-d", str(device / "whl")]

@@ -196,3 +196,5 @@ def test_prepare_device_names_what_a_device_folder_lacks(tmp_path):
     assert prep.installed_version(sys.executable, "pytest")  # a version string from that environment
     with pytest.raises(SystemExit, match="no not_a_module_here installed"):
         prep.installed_version(sys.executable, "not_a_module_here")
+    with pytest.raises(SystemExit, match=r"--python .*missing-python: cannot run it"):
+        prep.installed_version(str(tmp_path / "missing-python"), "gguf")
