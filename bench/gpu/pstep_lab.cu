@@ -128,6 +128,21 @@ static __device__ __forceinline__ float ps_q4_0_dot(const float d4, const int (&
     return d4 * ((lo + (hi >> 4)) * ds.x - 8.0f * ds.y);
 }
 
+// named barrier 1 + r (r < 8) of n threads: the ids as immediates, so that the kernel holds 9 of an
+// SM's barriers, not all 16 (a register id makes the compiler reserve every one)
+static __device__ __forceinline__ void ps_row_barrier(const int r, const int n) {
+    switch (r) {
+        case 0: asm volatile("bar.sync 1, %0;" ::"r"(n) : "memory"); break;
+        case 1: asm volatile("bar.sync 2, %0;" ::"r"(n) : "memory"); break;
+        case 2: asm volatile("bar.sync 3, %0;" ::"r"(n) : "memory"); break;
+        case 3: asm volatile("bar.sync 4, %0;" ::"r"(n) : "memory"); break;
+        case 4: asm volatile("bar.sync 5, %0;" ::"r"(n) : "memory"); break;
+        case 5: asm volatile("bar.sync 6, %0;" ::"r"(n) : "memory"); break;
+        case 6: asm volatile("bar.sync 7, %0;" ::"r"(n) : "memory"); break;
+        default: asm volatile("bar.sync 8, %0;" ::"r"(n) : "memory"); break;
+    }
+}
+
 // W warps a CTA; RPW rows a warp a piece (MC_LAB_PSTEP_RPW: a piece is (W / wpr) x RPW rows, wpr warps
 // a row); MODE: MC_LAB_PSTEP_MATH. The current task's descriptor sits in shared memory (the consumers'
 // copy, read by every thread: broadcast loads, ~one register each) and a piece's product and row step
@@ -327,7 +342,7 @@ static __global__ void ps_kernel(const ps_args a) {
                     }
                 }
                 if (DEC) {  // the row's warps alone (consecutive: warp = r wpr + q)
-                    mc_row_barrier(r, wpr * WARP_SIZE);  // patch 0041's: ids as immediates
+                    ps_row_barrier(r, wpr * WARP_SIZE);
                 } else {
                     __syncthreads();
                 }

@@ -5,7 +5,6 @@ build); this machine has nvcc but no GPU and no cuBLAS, so a stub header stands 
 
 from __future__ import annotations
 
-import random
 import re
 import shutil
 import subprocess
@@ -117,23 +116,16 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     # the persistent one-column kernel (patch 0031, MC_MMV_PERSIST): plain and gated, with its arithmetic
     # (the copies-only form is the mmr lab's), the activations in registers (registers for 2 CTAs of 256
     # threads an SM: 65,536 / 512) or in shared memory (MC_MMV_PERSIST_YSMEM: 3 CTAs, 65,536 / 768 = 85,
-    # allocated in steps of 8); with the activations in registers also with the warps apart (patch 0041,
-    # MC_MMV_PERSIST_DEC), its named barriers as immediates: 9 of an SM's barriers, not 16
-    name = (
-        r"Compiling entry function '_Z11mc_pmv_q4_0ILb(\d)ELb(\d)ELb(\d)ELb(\d)EE\w+'.*?"
-        r"Used (\d+) registers, used (\d+) barriers"
-    )
+    # allocated in steps of 8)
+    name = r"Compiling entry function '_Z11mc_pmv_q4_0ILb(\d)ELb(\d)ELb(\d)EE\w+'.*?Used (\d+) registers"
     pmv = re.findall(name, report, re.S)
-    assert sorted((g, m, y, d) for g, m, y, d, *_ in pmv) == [
-        ("0", "1", "0", "0"),
-        ("0", "1", "0", "1"),
-        ("0", "1", "1", "0"),
-        ("1", "1", "0", "0"),
-        ("1", "1", "0", "1"),
-        ("1", "1", "1", "0"),
+    assert sorted((g, m, y) for g, m, y, _ in pmv) == [
+        ("0", "1", "0"),
+        ("0", "1", "1"),
+        ("1", "1", "0"),
+        ("1", "1", "1"),
     ], pmv
-    assert all(int(r) <= (80 if y == "1" else 128) for _, _, y, _, r, _ in pmv), pmv
-    assert all(int(b) == (9 if d == "1" else 1) for _, _, _, d, _, b in pmv), pmv
+    assert all(int(r) <= (80 if y == "1" else 128) for *_, y, r in pmv), pmv
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), spills
 
@@ -355,9 +347,7 @@ def test_the_persistent_one_column_kernel_is_wired_and_falls_back(patched):
     assert 'mc_env_int("MC_MMV_PERSIST_STAGES", 2, MC_PMV_MAX_STAGES, 3)' in source
     # the dynamic shared memory allowed: the block's limit less the kernel's static part (the limit
     # itself is refused as an invalid argument: run AP's first calls)
-    ctas = c_body(
-        source, "template <bool GATE, bool MATH, bool YS, bool DEC = false> static int mc_pmv_ctas("
-    )
+    ctas = c_body(source, "template <bool GATE, bool MATH, bool YS> static int mc_pmv_ctas(")
     assert "CUDA_SET_SHARED_MEMORY_LIMIT(kernel, (int) dev.smpbo - static_bytes);" in ctas
     assert "cudaFuncGetAttributes(&attr, kernel)" in ctas and "attr.sharedSizeBytes" in ctas
     kernel = c_body(source, KERNEL_HEAD)
@@ -372,80 +362,16 @@ def test_the_persistent_one_column_kernel_is_wired_and_falls_back(patched):
     loop = kernel[kernel.index("for (int i = 0; i < n; ++i) {") :]
     wait = loop.index("mc_mbar_wait(&bars[stage], parity);")
     last_sync = loop.rindex("__syncthreads();")
-    refill = loop.rindex("issue(i + a.stages, stage);")  # thread 0's (the warps meet a piece)
+    refill = loop.index("issue(i + a.stages, stage);")
     # the stage and parity step as i does (i % stages, (i / stages) & 1), after the refill of that stage
     step = loop.index("if (++stage == a.stages) {\n            stage = 0;\n            parity ^= 1u;")
     assert wait < last_sync < refill < step
     assert "int      stage  = 0;\n    uint32_t parity = 0;" in kernel
 
 
-def test_the_persistent_kernels_warps_apart_refill_a_stage_once_all_are_done(patched):
-    """Patch 0041 (MC_MMV_PERSIST_DEC, off until measured): the warps of the persistent one-column
-    kernel do not meet a piece. The protocol, emulated with warps at random speeds: each counts itself
-    done with a stage after its piece (its reads used), the last of the eight resets the count and
-    issues piece i + stages into it; every piece is issued once, into a stage no warp still reads, no
-    warp waits for a piece never issued, and a row's warps exchange their sums a stage apart. The
-    source's statements are the ones emulated; the setting, off by default, takes the form with the
-    activations in registers only."""
-    warps, stages, pieces = 8, 3, 23
-    rng = random.Random(5)
-    for _ in range(200):
-        done = [0] * stages
-        issued = {i: i for i in range(min(pieces, stages))}  # piece -> stage, the first stages at start
-        reading: list[int | None] = [None] * warps  # the piece a warp is reading, if any
-        nxt = [0] * warps  # each warp's next piece
-        while any(n < pieces for n in nxt) or any(r is not None for r in reading):
-            # a warp can move when it reads a piece or its next piece's stage holds that piece
-            movable = [
-                w for w in range(warps) if reading[w] is not None or (nxt[w] < pieces and nxt[w] in issued)
-            ]
-            assert movable, "every warp waits for a piece never issued"
-            w = rng.choice(movable)
-            if reading[w] is None:  # its wait for the next piece is over
-                reading[w] = nxt[w]
-                continue
-            i = reading[w]  # its reads used: it counts itself done with the stage
-            reading[w] = None
-            nxt[w] += 1
-            stage = i % stages
-            done[stage] += 1
-            if done[stage] == warps:  # the last of the eight resets and refills
-                done[stage] = 0
-                if i + stages < pieces:
-                    assert all(r is None or r % stages != stage for r in reading), "a refill under a reader"
-                    assert i + stages not in issued
-                    issued[i + stages] = stage
-        assert sorted(issued) == list(range(pieces))
-    source = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
-    kernel = c_body(source, KERNEL_HEAD)
-    assert_statements(
-        kernel,
-        (
-            "if (atomicAdd(&done[stage], 1) == MC_PMV_WARPS - 1) {",
-            "done[stage] = 0;",
-            "float(&rd)[MC_PMV_WARPS][2] = red[DEC ? stage : 0];",
-            "mc_row_barrier(r, wpr * WARP_SIZE);  // the row's warps: warp = r wpr + q",
-            'static_assert(!(YS && DEC), "DEC runs with the activations in registers");',
-        ),
-    )
-    dec = kernel.index("if (DEC) {  // this warp is done with the stage")
-    body = kernel[dec : kernel.index("} else {", dec)]
-    assert body.index("__syncwarp();") < body.index("__threadfence_block();") < body.index("atomicAdd(")
-    assert body.index("done[stage] = 0;") < body.index("issue(i + a.stages, stage);")
-    assert 'mc_env_int("MC_MMV_PERSIST_DEC", 0, 1, 0)' in source
-    head = "static bool mc_pmv_launch(const mc_mm_group & grp, const char * vgate, const block_q8_1 * y, "
-    run = c_body(source, head + "const int glu_op,")
-    ys, dec_at = (
-        run.index("if (mc_pmv_get_settings().yshared) {"),
-        run.index("if (mc_pmv_get_settings().dec) {"),
-    )
-    assert ys < dec_at and "mc_pmv_launch_as<GATE, MATH, false, true>(" in run[dec_at:]
-
-
 # the persistent kernel's definition (patch 0031)
 KERNEL_HEAD = (
-    "template <bool GATE, bool MATH, bool YS, bool DEC = false>\n"
-    "__launch_bounds__(MC_PMV_WARPS * WARP_SIZE, YS ? 3 : 2)"
+    "template <bool GATE, bool MATH, bool YS>\n__launch_bounds__(MC_PMV_WARPS * WARP_SIZE, YS ? 3 : 2)"
 )
 
 
