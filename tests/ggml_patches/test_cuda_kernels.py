@@ -5,6 +5,7 @@ build); this machine has nvcc but no GPU and no cuBLAS, so a stub header stands 
 
 from __future__ import annotations
 
+import random
 import re
 import shutil
 import subprocess
@@ -367,6 +368,109 @@ def test_the_persistent_one_column_kernel_is_wired_and_falls_back(patched):
     step = loop.index("if (++stage == a.stages) {\n            stage = 0;\n            parity ^= 1u;")
     assert wait < last_sync < refill < step
     assert "int      stage  = 0;\n    uint32_t parity = 0;" in kernel
+
+
+def byte_perm(x: int, y: int, sel: int) -> int:
+    """CUDA's __byte_perm(x, y, sel): byte i of the result is byte (sel >> 4 i) & 7 of y:x."""
+    pool = (x | y << 32).to_bytes(8, "little")
+    return int.from_bytes(bytes(pool[(sel >> 4 * i) & 7] for i in range(4)), "little")
+
+
+def pmv_pair_end(nblocks: int, wpr: int, slots: int = 6) -> int:
+    """mc_pmv_pair_end (patch 0043), transcribed: the test below checks the source has its statements."""
+    rnd = 2 * 32 * wpr
+    full = nblocks // rnd
+    rest = nblocks - full * rnd
+    return full * rnd if 0 < rest <= 32 * wpr and 2 * full < slots - 1 else nblocks
+
+
+def test_the_persistent_kernels_tail_takes_every_block_once_one_a_lane(patched):
+    """Patch 0043 (MC_MMV_PERSIST_TAIL, off until measured): the blocks past the last whole round of
+    pairs go one a lane. For every row length the plan allows (32 wpr MC_PMV_J >= nblocks) and every
+    warps-a-row: each block is taken once, by a pair or by one lane's tail; a lane's pairs leave the
+    last activation slot to its tail block; the tail is one round; on two warps a row a warp's lanes read
+    their tail blocks' words on distinct banks. The 27B's rows (K = 5,120 on one and two warps, 6,144 on
+    two) take the tail and issue fewer rounds. A block's unpacking from any index (odd ones 2 bytes past
+    a word) gives its quants and scale. The source holds the statements transcribed here."""
+    slots = 6
+    for wpr in (1, 2, 4, 8):
+        for nblocks in range(2, 32 * wpr * slots + 1, 2):
+            pe = pmv_pair_end(nblocks, wpr, slots)
+            taken = [0] * nblocks
+            for q in range(wpr):
+                for lane in range(32):
+                    used = []
+                    for jp in range(slots // 2):
+                        kb = 2 * (q * 32 + lane + 32 * wpr * jp)
+                        if kb < pe:
+                            taken[kb] += 1
+                            taken[kb + 1] += 1
+                            used += [2 * jp, 2 * jp + 1]
+                    kt = pe + lane * wpr + q
+                    if kt < nblocks:
+                        taken[kt] += 1
+                        assert slots - 1 not in used, (nblocks, wpr, q, lane)
+            assert taken == [1] * nblocks, (nblocks, wpr)
+            assert nblocks - pe <= 32 * wpr
+    # a warp's rounds in blocks a lane (a pair's round 2, the tail's 1): without the tail, with it
+    for nblocks, wpr, before, after in ((160, 1, 6, 5), (160, 2, 4, 3), (192, 2, 4, 3)):
+        pe = pmv_pair_end(nblocks, wpr)
+        assert pe < nblocks and 2 * (pe // (64 * wpr)) + 1 == after < before, (nblocks, wpr)
+    for nblocks, q in ((160, 0), (160, 1), (192, 0), (192, 1)):  # two warps a row: warp q's tail lanes
+        pe = pmv_pair_end(nblocks, 2)
+        kts = [pe + lane * 2 + q for lane in range(32) if pe + lane * 2 + q < nblocks]
+        words = [(18 * kt - (kt & 1) * 2) // 4 for kt in kts]  # each load i reads word + i
+        assert kts and len({w % 32 for w in words}) == len(words), (nblocks, q)
+    rng = random.Random(7)
+    row = bytes(rng.randrange(256) for _ in range(18 * 8))
+    for kb in range(8):
+        at = 18 * kb - (kb & 1) * 2
+        x = [int.from_bytes(row[at + 4 * i : at + 4 * i + 4], "little") for i in range(5)]
+        sel = 0x7654 if kb & 1 else 0x5432
+        v = [byte_perm(x[i], x[i + 1], sel) for i in range(4)]
+        assert v == [
+            int.from_bytes(row[18 * kb + 2 + 4 * i : 18 * kb + 6 + 4 * i], "little") for i in range(4)
+        ]
+        d = byte_perm(x[0], 0, 0x4432 if kb & 1 else 0x4410)
+        assert d == int.from_bytes(row[18 * kb : 18 * kb + 2], "little")
+    source = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
+    assert_statements(
+        c_body(source, "static int mc_pmv_pair_end(const int nblocks, const int wpr) {"),
+        (
+            "const int round = 2 * WARP_SIZE * wpr;",
+            "const int full  = nblocks / round;",
+            "const int rest  = nblocks - full * round;",
+            "return rest > 0 && rest <= WARP_SIZE * wpr && 2 * full < MC_PMV_J - 1 ? full * round : nblocks;",
+        ),
+    )
+    assert_statements(
+        c_body(source, "static __device__ __forceinline__ void mc_q4_0_unpack1("),
+        (
+            "const uint32_t * w   = (const uint32_t *) (wb - (kb & 1) * 2);",
+            "const uint32_t   sel = (kb & 1) ? 0x7654u : 0x5432u;",
+            "v[i] = (int) __byte_perm(x[i], x[i + 1], sel);",
+            "__byte_perm(x[0], 0u, (kb & 1) ? 0x4432u : 0x4410u)",
+        ),
+    )
+    kernel = c_body(source, KERNEL_HEAD)
+    assert_statements(
+        kernel,
+        (
+            "const int kt  = a.pair_end + lane * wpr + q;",
+            "const int kb = 2 * (q * WARP_SIZE + lane + WARP_SIZE * wpr * jp);",
+            "if (MATH && kb < a.pair_end) {",
+            "mc_load_q8_1(a.y + kt, u[MC_PMV_J - 1], ds[MC_PMV_J - 1]);",
+            "if (kb < a.pair_end) {",
+            "if (kt < a.nblocks) {",
+            "mc_q4_0_unpack1(wrow + a.rs * a.row_bytes, kt, v, d);",
+        ),
+    )
+    assert "#define MC_PMV_J 6 " in source
+    assert 'mc_env_int("MC_MMV_PERSIST_TAIL", 0, 1, 0)' in source
+    assert (
+        "a.pair_end    = YS || !st.tail ? nblocks : mc_pmv_pair_end(nblocks, MC_PMV_WARPS / plan.rs);"
+        in source
+    )
 
 
 # the persistent kernel's definition (patch 0031)
