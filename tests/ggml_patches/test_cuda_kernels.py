@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ggml_patches.q4_nibbles import check_high_nibbles_in_place
+
 STUB = Path(__file__).parent / "cuda_stub"
 
 
@@ -385,13 +387,14 @@ def pmv_pair_end(nblocks: int, wpr: int, slots: int = 6) -> int:
 
 
 def test_the_persistent_kernels_tail_takes_every_block_once_one_a_lane(patched):
-    """Patch 0043 (MC_MMV_PERSIST_TAIL, off until measured): the blocks past the last whole round of
-    pairs go one a lane. For every row length the plan allows (32 wpr MC_PMV_J >= nblocks) and every
-    warps-a-row: each block is taken once, by a pair or by one lane's tail; a lane's pairs leave the
-    last activation slot to its tail block; the tail is one round; on two warps a row a warp's lanes read
-    their tail blocks' words on distinct banks. The 27B's rows (K = 5,120 on one and two warps, 6,144 on
-    two) take the tail and issue fewer rounds. A block's unpacking from any index (odd ones 2 bytes past
-    a word) gives its quants and scale. The source holds the statements transcribed here."""
+    """Patch 0043 (MC_MMV_PERSIST_TAIL, on by default since run BM: decode +1.4%): the blocks past the
+    last whole round of pairs go one a lane. For every row length the plan allows (32 wpr MC_PMV_J >=
+    nblocks) and every warps-a-row: each block is taken once, by a pair or by one lane's tail; a lane's
+    pairs leave the last activation slot to its tail block; the tail is one round; on two warps a row a
+    warp's lanes read their tail blocks' words on distinct banks. The 27B's rows (K = 5,120 on one and
+    two warps, 6,144 on two) take the tail and issue fewer rounds. A block's unpacking from any index
+    (odd ones 2 bytes past a word) gives its quants and scale. The source holds the statements
+    transcribed here."""
     slots = 6
     for wpr in (1, 2, 4, 8):
         for nblocks in range(2, 32 * wpr * slots + 1, 2):
@@ -466,10 +469,33 @@ def test_the_persistent_kernels_tail_takes_every_block_once_one_a_lane(patched):
         ),
     )
     assert "#define MC_PMV_J 6 " in source
-    assert 'mc_env_int("MC_MMV_PERSIST_TAIL", 0, 1, 0)' in source
+    assert 'mc_env_int("MC_MMV_PERSIST_TAIL", 0, 1, 1)' in source
     assert (
         "a.pair_end    = YS || !st.tail ? nblocks : mc_pmv_pair_end(nblocks, MC_PMV_WARPS / plan.rs);"
         in source
+    )
+
+
+def test_the_q4_0_dot_keeps_the_high_nibbles_in_place(patched):
+    """Patch 0044 (no setting: the same integer sums, so the same floats): mc_q4_0_dot, the one- and
+    few-column Q4_0 kernels' and the persistent kernel's dot product of a block, sums the high nibbles
+    in place through dp4a.u32.s32 and shifts once a block on NVIDIA GPUs from sm_61 on; elsewhere the
+    shifted form. The identity, emulated; the source holds the statements emulated."""
+    check_high_nibbles_in_place()
+    source = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
+    dot = c_body(source, "static __device__ __forceinline__ float mc_q4_0_dot(")
+    assert_statements(
+        dot,
+        (
+            "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 610 && !defined(GGML_USE_HIP) && "
+            "!defined(GGML_USE_MUSA)",
+            "lo = ggml_cuda_dp4a(v[i] & 0x0F0F0F0F, u[i], lo);",
+            'asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(hi) : "r"(v[i] & (int) 0xF0F0F0F0), '
+            '"r"(u[i + 4]), "r"(hi));',
+            "const int sumi = lo + (hi >> 4);",
+            "sumi = ggml_cuda_dp4a((v[i] >> 4) & 0x0F0F0F0F, u[i + 4], sumi);",
+            "return d4 * (sumi * ds.x - 8.0f * ds.y);",
+        ),
     )
 
 
