@@ -528,19 +528,40 @@ def assert_statements(body: str, lines: tuple[str, ...]) -> None:
 def test_the_cached_rms_norm_compiles(patched, arch, tmp_path):
     """Patch 0009 (the cached rms_norm, the default; MC_NORM_PREFETCH=0 off): the multiply-only
     rms_norm's cached form, and patch 0019's residual add + norm + weight in one kernel
-    (MC_FUSE_ADD_NORM), each for 256- and 1,024-thread blocks, compile without spills and within the
-    64 registers a 1,024-thread block allows; their test-backend-ops cases are in the tree."""
+    (MC_FUSE_ADD_NORM), each for 256- and 1,024-thread blocks (the fused one also without its
+    reduction, patch 0046's diagnostic), compile without spills and within the 64 registers a
+    1,024-thread block allows; their test-backend-ops cases are in the tree."""
     out = compile_cuda(patched, "norm.cu", arch, tmp_path, "-Xptxas", "-v")
     assert out.returncode == 0, out.stderr[-3000:]
-    for kernel in (r"_Z12rms_norm_f32ILi(\d+)ELb1ELb0ELb0ELb1E", r"_Z23mc_add_rms_norm_mul_f32ILi(\d+)E"):
+    forms = {r"_Z12rms_norm_f32ILi(\d+)ELb1ELb0ELb0ELb1E": ["1024", "256"]}
+    forms[r"_Z23mc_add_rms_norm_mul_f32ILi(\d+ELb\d)E"] = ["1024ELb0", "1024ELb1", "256ELb0", "256ELb1"]
+    for kernel, expected in forms.items():
         found = re.findall(f"entry function '{kernel}\\w+'.*?Used (\\d+) registers", out.stderr, re.S)
-        assert sorted(b for b, _ in found) == ["1024", "256"], (kernel, found)
+        assert sorted(b for b, _ in found) == expected, (kernel, found)
         assert all(int(r) <= 64 for _, r in found), (kernel, found)
     spills = re.findall(r"(\d+) bytes spill stores", out.stderr)
     assert spills and set(spills) == {"0"}, spills
     tests = (patched / "tests/test-backend-ops.cpp").read_text()
     assert "MegaCapybara (the cached rms_norm, default; MC_NORM_PREFETCH=0 off)" in tests
     assert "struct test_mc_add_rms_norm_mul : public test_case" in tests
+
+
+def test_the_norm_probe_is_a_read_once_diagnostic_of_the_fused_add_norm(patched):
+    """Patch 0046 (MC_PROBE_NORM, a diagnostic like MC_PROBE_SKIP: wrong results when set): read once
+    (0..2, default 0) with a warning when set; 1 takes the fused add + norm's nodes without a launch,
+    2 launches the kernel without its reduction; 0 launches it as before."""
+    main = (patched / "ggml/src/ggml-cuda/ggml-cuda.cu").read_text()
+    fuse = main.index("static int mc_try_add_rms_norm(")
+    end = main.index("return 2;", fuse)
+    body = main[fuse:end]
+    assert main.count('"MC_PROBE_NORM"') == 1
+    assert 'ggml_cuda_mc_env_int("MC_PROBE_NORM", 0, 2, 0)' in body
+    assert "a diagnostic, the results are wrong" in body
+    assert "if (probe != 1) {" in body
+    assert "ggml_cuda_mc_add_rms_norm_mul(*ctx, add, norm, mul, probe != 2);" in body
+    norm = (patched / "ggml/src/ggml-cuda/norm.cu").read_text()
+    assert "if constexpr (REDUCE) {" in norm
+    assert "reduce ? mc_add_rms_norm_mul_f32<1024, true> : mc_add_rms_norm_mul_f32<1024, false>" in norm
 
 
 @pytest.mark.parametrize("arch", ["90", "120"])
