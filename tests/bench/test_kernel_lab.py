@@ -359,7 +359,9 @@ def test_a_patch_can_be_left_out_of_the_labs_tree(build_script, tmp_path):
     )
 
     def cuda_sources(tree: Path) -> str:
-        return "\n".join(p.read_text(errors="replace") for p in (tree / "ggml/src/ggml-cuda").glob("*.cu"))
+        # the .cu files and their headers: a patch's first added line may be a declaration
+        folder = tree / "ggml/src/ggml-cuda"
+        return "\n".join(p.read_text(errors="replace") for p in sorted(folder.glob("*.cu*")))
 
     source = cuda_sources(lab.patched_tree(sdist, tmp_path / "without", [number]))
     assert added not in source
