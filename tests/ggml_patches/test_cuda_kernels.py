@@ -592,7 +592,7 @@ def test_the_fused_add_norm_runs_on_a_cluster_and_hands_its_q8_1_blocks_on(patch
     assert "ggml_nrows(mul) != 1 || k % MATRIX_ROW_PADDING != 0" in buffer
     fuse = c_body(main, "static int mc_try_add_rms_norm(")
     assert_statements(fuse, (
-        "ctx->mc_q8_src = nullptr;",
+        "ctx->mc_q8_src  = nullptr;",
         "void * yq = probe == 0 ? mc_norm_q8_buffer(ctx, mul) : nullptr;",
         "if (ggml_cuda_mc_add_rms_norm_mul(*ctx, add, norm, mul, probe != 2, yq)) {",
         "ctx->mc_q8_src = mul;",
@@ -605,18 +605,47 @@ def test_the_fused_add_norm_runs_on_a_cluster_and_hands_its_q8_1_blocks_on(patch
     assert "(pre_q8 ? ctx.mc_q8_cur : src1_q8_1.get())" in run
 
 
-def test_the_norm_probe_is_a_read_once_diagnostic_of_the_fused_add_norm(patched):
-    """Patch 0046 (MC_PROBE_NORM, a diagnostic like MC_PROBE_SKIP: wrong results when set): read once
-    (0..2, default 0) with a warning when set; 1 takes the fused add + norm's nodes without a launch,
-    2 launches the kernel without its reduction; 0 launches it as before."""
+def test_a_product_takes_its_residual_add_through_a_reshape(patched):
+    """Patch 0048 (MC_FUSE_RESHAPE_BIAS, 0 or 1, default 1): MUL_MAT -> RESHAPE / VIEW of the same shape
+    and memory -> ADD runs as stock's product + bias fusion (one column), tried before the other
+    fusions of a MUL_MAT node, with the output kept off the product's input and the bias the output's
+    memory or none of it; its test-backend-ops cases (fused and not) are in the tree."""
     main = (patched / "ggml/src/ggml-cuda/ggml-cuda.cu").read_text()
-    fuse = main.index("static int mc_try_add_rms_norm(")
-    end = main.index("return 2;", fuse)
-    body = main[fuse:end]
+    body = c_body(main, "static int mc_try_reshape_bias(")
+    assert_statements(body, (
+        'ggml_cuda_mc_env_int("MC_FUSE_RESHAPE_BIAS", 0, 1, 1) == 1',
+        "(r->op != GGML_OP_RESHAPE && r->op != GGML_OP_VIEW) || r->src[0] != mm",
+        "!ggml_node_has_n_uses(cgraph, i, 1)",
+        "!ggml_node_has_n_uses(cgraph, i + 1, 1)",
+        "r->data != mm->data || !ggml_are_same_shape(r, mm) || !ggml_are_same_shape(add, mm)",
+        "!mc_disjoint(add, mm->src[1]) || !mc_same_or_disjoint(add, bias)",
+        "!ggml_cuda_should_fuse_mul_mat_vec_q(mm)",
+        "ggml_cuda_mul_mat_vec_q(*ctx, mm->src[0], mm->src[1], nullptr, add, &fusion);",
+    ))  # fmt: skip
+    fuse = c_body(main, "static int ggml_cuda_try_fuse(")
+    assert fuse.index("mc_try_reshape_bias(cuda_ctx, cgraph, i)") < fuse.index("mc_try_add_rms_norm(cuda_ctx")
+    tests = (patched / "tests/test-backend-ops.cpp").read_text()
+    assert "struct test_mc_reshape_bias : public test_case" in tests
+    assert "{ 6144, 5120, 1, 1 }, { 6144, 5120, 4, 1 }, { 6144, 5120, 1, 2 }, { 256, 512, 1, 1 }" in tests
+
+
+def test_the_norm_probe_is_a_read_once_diagnostic_of_the_fused_add_norm(patched):
+    """Patches 0046 / 0048 (MC_PROBE_NORM, a diagnostic like MC_PROBE_SKIP: wrong results when set):
+    read once (0..3, default 0) with a warning when set; 1 takes the fused add + norm's nodes without a
+    launch, 2 launches that kernel without its reduction, 3 takes the stock norm + weight of one row of
+    1,024 or more values without a launch; 0 launches them as before."""
+    main = (patched / "ggml/src/ggml-cuda/ggml-cuda.cu").read_text()
+    probe = c_body(main, "static int mc_probe_norm(")
     assert main.count('"MC_PROBE_NORM"') == 1
-    assert 'ggml_cuda_mc_env_int("MC_PROBE_NORM", 0, 2, 0)' in body
-    assert "a diagnostic, the results are wrong" in body
+    assert 'ggml_cuda_mc_env_int("MC_PROBE_NORM", 0, 3, 0)' in probe
+    assert "a diagnostic, the results are wrong" in probe
+    fuse = main.index("static int mc_try_add_rms_norm(")
+    body = main[fuse : main.index("return 2;", fuse)]
+    assert "const int probe = mc_probe_norm();" in body
     assert "if (probe != 1) {" in body
+    stock = main.index("ggml_cuda_op_rms_norm_fused(*cuda_ctx, node, cgraph->nodes[i + 1]);")
+    skip = "if (mc_probe_norm() == 3 && ggml_nrows(node) == 1 && node->ne[0] >= 1024) {"
+    assert skip in main[stock - 300 : stock]
     assert "ggml_cuda_mc_add_rms_norm_mul(*ctx, add, norm, mul, probe != 2, yq)" in body
     norm = (patched / "ggml/src/ggml-cuda/norm.cu").read_text()
     assert "if constexpr (REDUCE) {" in norm
