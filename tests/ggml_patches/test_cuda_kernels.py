@@ -529,14 +529,12 @@ def test_the_cached_rms_norm_compiles(patched, arch, tmp_path):
     """Patch 0009 (the cached rms_norm, the default; MC_NORM_PREFETCH=0 off): the multiply-only
     rms_norm's cached form, and patch 0019's residual add + norm + weight in one kernel
     (MC_FUSE_ADD_NORM), each for 256- and 1,024-thread blocks (the fused one also without its
-    reduction, patch 0046's diagnostic), and patch 0047's cluster form of the fused one for clusters
-    of 2, 4 and 8 CTAs, compile without spills and within the 64 registers a 1,024-thread block
-    allows; their test-backend-ops cases are in the tree."""
+    reduction, patch 0046's diagnostic), compile without spills and within the 64 registers a
+    1,024-thread block allows; their test-backend-ops cases are in the tree."""
     out = compile_cuda(patched, "norm.cu", arch, tmp_path, "-Xptxas", "-v")
     assert out.returncode == 0, out.stderr[-3000:]
     forms = {r"_Z12rms_norm_f32ILi(\d+)ELb1ELb0ELb0ELb1E": ["1024", "256"]}
     forms[r"_Z23mc_add_rms_norm_mul_f32ILi(\d+ELb\d)E"] = ["1024ELb0", "1024ELb1", "256ELb0", "256ELb1"]
-    forms[r"_Z31mc_add_rms_norm_mul_cluster_f32ILi(\d)E"] = ["2", "4", "8"]
     for kernel, expected in forms.items():
         found = re.findall(f"entry function '{kernel}\\w+'.*?Used (\\d+) registers", out.stderr, re.S)
         assert sorted(b for b, _ in found) == expected, (kernel, found)
@@ -546,94 +544,13 @@ def test_the_cached_rms_norm_compiles(patched, arch, tmp_path):
     tests = (patched / "tests/test-backend-ops.cpp").read_text()
     assert "MegaCapybara (the cached rms_norm, default; MC_NORM_PREFETCH=0 off)" in tests
     assert "struct test_mc_add_rms_norm_mul : public test_case" in tests
-    assert "struct test_mc_norm_q8 : public test_case" in tests
-    assert "{ 5120, 512, 1 }, { 5120, 512, 2 }, { 1024, 256, 1 }, { 8192, 256, 1 }, { 512, 256, 1 }" in tests
 
 
-def test_the_fused_add_norm_runs_on_a_cluster_and_hands_its_q8_1_blocks_on(patched):
-    """Patch 0047: the fused residual add + norm + weight on a cluster of C CTAs (MC_ADD_NORM_CLUSTER:
-    1, 2, 4 or 8, default 8, anything else named with the values allowed; 1, rows under 1,024 values,
-    GPUs without clusters and kernels not built for sm_90 keep the one-block kernel). Its thread g owns
-    the one-block kernel's thread g's columns and the warp sums meet in that kernel's slot order, so
-    the arithmetic is the one-block kernel's. With MC_FUSE_NORM_Q8 (default 1) one row of a multiple of
-    512 values also gets its q8_1 blocks written, the tensor is marked for the rest of that step, and
-    a one-column product reading that very tensor takes the blocks instead of quantizing it."""
-    cuda = patched / "ggml/src/ggml-cuda"
-    norm = (cuda / "norm.cu").read_text()
-    kernel = c_body(norm, "static __global__ void mc_add_rms_norm_mul_cluster_f32(")
-    assert_statements(kernel, (
-        "const int     g    = rank * threads + (int) threadIdx.x;",
-        "const int col = g + k * 1024;",
-        "cluster.map_shared_rank(slots, (unsigned) lane)[g / WARP_SIZE] = tmp;",
-        "cluster.sync();",
-        "tmp = warp_reduce_sum(slots[lane]);",
-        "yb->qs[lane]     = amax == 0.0f ? 0 : roundf(y / d);",
-        "yb->ds = make_half2(d, s);",
-    ))  # fmt: skip
-    # the weight before the PDL wait, the activations after it
-    wait = kernel.index("ggml_cuda_pdl_sync();")
-    assert kernel.index("mv[k]         = col < ncols ? w[col] : 0.0f;") < wait
-    assert wait < kernel.index("xv[k]    = a[col] + b[col];")
-    size = c_body(norm, "static int mc_add_norm_cluster_size(")
-    assert 'ggml_cuda_mc_env_int("MC_ADD_NORM_CLUSTER", 1, 8, 8)' in size
-    assert "allowed 1, 2, 4 or 8; using 8" in size
-    assert "setting == 1 || ncols < 1024 || ggml_cuda_info().devices[device].cc < GGML_CUDA_CC_HOPPER" in size
-    assert "attr.binaryVersion >= 90" in size
-    launch = c_body(norm, "static void mc_add_norm_cluster_launch(")
-    assert "attrs[0].id               = cudaLaunchAttributeClusterDimension;" in launch
-    assert "cfg.gridDim            = dim3((unsigned) (nrows * c), 1, 1);" in launch
-    fused = c_body(norm, "bool ggml_cuda_mc_add_rms_norm_mul(")
-    assert "const int  c     = reduce ? mc_add_norm_cluster_size(ncols) : 1;" in fused
-    assert "return yq != nullptr;" in fused and fused.rstrip().endswith("return false;")
-
-    main = (cuda / "ggml-cuda.cu").read_text()
-    buffer = c_body(main, "static void * mc_norm_q8_buffer(")
-    assert 'ggml_cuda_mc_env_int("MC_FUSE_NORM_Q8", 0, 1, 1)' in buffer
-    assert "ggml_nrows(mul) != 1 || k % MATRIX_ROW_PADDING != 0" in buffer
-    fuse = c_body(main, "static int mc_try_add_rms_norm(")
-    assert_statements(fuse, (
-        "ctx->mc_q8_src  = nullptr;",
-        "void * yq = probe == 0 ? mc_norm_q8_buffer(ctx, mul) : nullptr;",
-        "if (ggml_cuda_mc_add_rms_norm_mul(*ctx, add, norm, mul, probe != 2, yq)) {",
-        "ctx->mc_q8_src = mul;",
-    ))  # fmt: skip
-    # cleared at each evaluation, only on one stream
-    assert "cuda_ctx->mc_q8_ok  = stream_ctx.concurrent_events.empty();" in main
-    mmv = (cuda / "mc-mmv.cu").read_text()
-    run = c_body(mmv, "static void mc_mmv_run(")
-    assert "pre_q8 = ncols == 1 && ctx.mc_q8_src == src1 && ctx.mc_q8_cur != nullptr;" in run
-    assert "(pre_q8 ? ctx.mc_q8_cur : src1_q8_1.get())" in run
-
-
-def test_a_product_takes_its_residual_add_through_a_reshape(patched):
-    """Patch 0048 (MC_FUSE_RESHAPE_BIAS, 0 or 1, default 1): MUL_MAT -> RESHAPE / VIEW of the same shape
-    and memory -> ADD runs as stock's product + bias fusion (one column), tried before the other
-    fusions of a MUL_MAT node, with the output kept off the product's input and the bias the output's
-    memory or none of it; its test-backend-ops cases (fused and not) are in the tree."""
-    main = (patched / "ggml/src/ggml-cuda/ggml-cuda.cu").read_text()
-    body = c_body(main, "static int mc_try_reshape_bias(")
-    assert_statements(body, (
-        'ggml_cuda_mc_env_int("MC_FUSE_RESHAPE_BIAS", 0, 1, 1) == 1',
-        "(r->op != GGML_OP_RESHAPE && r->op != GGML_OP_VIEW) || r->src[0] != mm",
-        "!ggml_node_has_n_uses(cgraph, i, 1)",
-        "!ggml_node_has_n_uses(cgraph, i + 1, 1)",
-        "r->data != mm->data || !ggml_are_same_shape(r, mm) || !ggml_are_same_shape(add, mm)",
-        "!mc_disjoint(add, mm->src[1]) || !mc_same_or_disjoint(add, bias)",
-        "!ggml_cuda_should_fuse_mul_mat_vec_q(mm)",
-        "ggml_cuda_mul_mat_vec_q(*ctx, mm->src[0], mm->src[1], nullptr, add, &fusion);",
-    ))  # fmt: skip
-    fuse = c_body(main, "static int ggml_cuda_try_fuse(")
-    assert fuse.index("mc_try_reshape_bias(cuda_ctx, cgraph, i)") < fuse.index("mc_try_add_rms_norm(cuda_ctx")
-    tests = (patched / "tests/test-backend-ops.cpp").read_text()
-    assert "struct test_mc_reshape_bias : public test_case" in tests
-    assert "{ 6144, 5120, 1, 1 }, { 6144, 5120, 4, 1 }, { 6144, 5120, 1, 2 }, { 256, 512, 1, 1 }" in tests
-
-
-def test_the_norm_probe_is_a_read_once_diagnostic_of_the_fused_add_norm(patched):
-    """Patches 0046 / 0048 (MC_PROBE_NORM, a diagnostic like MC_PROBE_SKIP: wrong results when set):
-    read once (0..3, default 0) with a warning when set; 1 takes the fused add + norm's nodes without a
-    launch, 2 launches that kernel without its reduction, 3 takes the stock norm + weight of one row of
-    1,024 or more values without a launch; 0 launches them as before."""
+def test_the_norm_probe_is_a_read_once_diagnostic_of_the_norms_between_products(patched):
+    """Patch 0046 (MC_PROBE_NORM, a diagnostic like MC_PROBE_SKIP: wrong results when set): read once
+    (0..3, default 0) with a warning when set; 1 takes the fused add + norm's nodes without a launch,
+    2 launches that kernel without its reduction, 3 takes the stock norm + weight of one row of 1,024
+    or more values without a launch; 0 launches them as before."""
     main = (patched / "ggml/src/ggml-cuda/ggml-cuda.cu").read_text()
     probe = c_body(main, "static int mc_probe_norm(")
     assert main.count('"MC_PROBE_NORM"') == 1
@@ -643,10 +560,10 @@ def test_the_norm_probe_is_a_read_once_diagnostic_of_the_fused_add_norm(patched)
     body = main[fuse : main.index("return 2;", fuse)]
     assert "const int probe = mc_probe_norm();" in body
     assert "if (probe != 1) {" in body
+    assert "ggml_cuda_mc_add_rms_norm_mul(*ctx, add, norm, mul, probe != 2);" in body
     stock = main.index("ggml_cuda_op_rms_norm_fused(*cuda_ctx, node, cgraph->nodes[i + 1]);")
     skip = "if (mc_probe_norm() == 3 && ggml_nrows(node) == 1 && node->ne[0] >= 1024) {"
     assert skip in main[stock - 300 : stock]
-    assert "ggml_cuda_mc_add_rms_norm_mul(*ctx, add, norm, mul, probe != 2, yq)" in body
     norm = (patched / "ggml/src/ggml-cuda/norm.cu").read_text()
     assert "if constexpr (REDUCE) {" in norm
     assert "reduce ? mc_add_rms_norm_mul_f32<1024, true> : mc_add_rms_norm_mul_f32<1024, false>" in norm
