@@ -1,0 +1,126 @@
+"""bench/gpu/step_trace.py: the CUPTI tracer library builds against this machine's CUDA toolkit and
+exports the driver's injection entry; the report's increments, sums and step selection on a CSV
+whose figures are known; the toolkit search names where it looked."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu" / "step_trace.py"
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("step_trace", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+HEADER = "correlation,graph,node,start_ns,end_ns,grid,block,cluster,name\n"
+
+
+def write_csv(path: Path, steps: list[list[tuple[str, int, int]]], extra: str = "") -> None:
+    """Each step a graph launch (its own correlation id) of (name, start, end) kernels."""
+    lines = [HEADER]
+    for c, kernels in enumerate(steps, start=10):
+        for node, (name, start, end) in enumerate(kernels):
+            lines.append(f"{c},7,{node},{start},{end},1.1.1,128.1.1,0.0.0,{name}\n")
+    path.write_text("".join(lines) + extra)
+
+
+def chain(t0: int) -> list[tuple[str, int, int]]:
+    """A step of four kernels: a product that runs 10 us, a norm launched early (PDL) that ends 3 us
+    later, a quantization 1 us later, a product 20 us later."""
+    return [("_Z4prodv", t0, t0 + 10_000), ("_Z4normv", t0 + 2_000, t0 + 13_000),
+            ("_Z5quantv", t0 + 12_000, t0 + 14_000), ("_Z4prodv", t0 + 13_500, t0 + 34_000)]  # fmt: skip
+
+
+def test_the_increments_add_up_to_the_span_and_are_summed_by_kernel_and_boundary(tmp_path):
+    st = load()
+    csv = tmp_path / "t.csv"
+    # two warm-up steps (skipped), three measured; a non-graph kernel and a small graph launch ignored
+    steps = [chain(t) for t in (0, 100_000, 200_000, 300_000, 400_000)]
+    write_csv(
+        csv, steps, extra="99,0,0,5,9,1.1.1,1.1.1,0.0.0,_Z4prodv\n50,7,0,1,2,1.1.1,1.1.1,0.0.0,_Z4tinyv\n"
+    )
+    rep = st.report(st.read_steps(csv, min_kernels=3), skip=2)
+    assert rep["steps"] == 5 and rep["steps_used"] == 3 and rep["steps_differing"] == 0
+    assert rep["kernels_per_step"] == 4
+    assert rep["span_us_median"] == 34.0 and rep["sum_of_increments_us"] == 34.0
+    assert [p["inc_us"] for p in rep["positions"]] == [10.0, 3.0, 1.0, 20.0]
+    assert [p["dur_us"] for p in rep["positions"]] == [10.0, 11.0, 2.0, 20.5]
+    names = {r["key"]: r for r in rep["by_name"]}
+    assert set(names) <= {"_Z4prodv", "_Z4normv", "_Z5quantv", "prod", "norm", "quant"}
+    prod = names.get("prod") or names["_Z4prodv"]
+    assert prod["count"] == 2 and prod["inc_us"] == 30.0 and prod["inc_us_each"] == 15.0
+    assert rep["by_name"][0]["inc_us"] == 30.0  # ranked by their sum
+    pairs = [r["key"] for r in rep["by_pair"]]
+    assert len(pairs) == 4 and pairs[0].startswith(("quant", "_Z5quantv")) and "->" in pairs[0]
+
+
+def test_a_step_with_other_kernels_is_counted_and_left_out(tmp_path):
+    st = load()
+    csv = tmp_path / "t.csv"
+    odd = chain(300_000)
+    odd[2] = ("_Z5otherv", *odd[2][1:])
+    write_csv(csv, [chain(0), chain(100_000), chain(200_000), odd])
+    rep = st.report(st.read_steps(csv, min_kernels=4), skip=1)
+    assert rep["steps_used"] == 2 and rep["steps_differing"] == 1
+    with pytest.raises(SystemExit, match="none left after skipping 4"):
+        st.report(st.read_steps(csv, min_kernels=4), skip=4)
+
+
+def test_short_names_keep_template_arguments_and_drop_the_signature():
+    st = load()
+    assert st.short_name("void mc_pmv_q4_0<true, (bool)0, 3>(mc_pmv_args)") == "mc_pmv_q4_0<true, (bool)0, 3>"
+    assert st.short_name("quantize_q8_1(float const*, void*, long)") == "quantize_q8_1"
+    assert st.short_name("_Z4prodv") == "_Z4prodv"
+
+
+def test_the_toolkit_search_looks_beside_the_toolkit_and_names_where_it_looked(tmp_path):
+    st = load()
+    base = tmp_path / "cuda" / "extras" / "CUPTI"
+    (base / "include").mkdir(parents=True)
+    (base / "include" / "cupti.h").write_text("")
+    (base / "lib64").mkdir()
+    (base / "lib64" / "libcupti.so.13").write_text("")
+    assert st.find_cupti([tmp_path / "none", tmp_path / "cuda"]) == (base / "include", base / "lib64")
+    with pytest.raises(SystemExit, match=r"not found under: .*none"):
+        st.find_cupti([tmp_path / "none"])
+
+
+def test_the_tracer_builds_against_this_machines_toolkit_and_exports_the_injection_entry(tmp_path):
+    """The library the GPU machine injects: compiled here against the CUDA toolkit's CUPTI, loaded,
+    and it has the entry the driver calls (InitializeInjection); not called here (no GPU)."""
+    st = load()
+    so = st.build(tmp_path / "step_trace.so")
+    lib = ctypes.CDLL(str(so))
+    assert hasattr(lib, "InitializeInjection")
+    syms = subprocess.run(["nm", "-D", "--defined-only", str(so)], capture_output=True, text=True).stdout
+    assert " T InitializeInjection" in syms
+
+
+def test_the_command_line_asks_for_the_program_and_for_valid_settings(tmp_path):
+    out = subprocess.run([sys.executable, str(SCRIPT), "run", "--so", "x.so", "--csv", "x.csv"],
+                         capture_output=True, text=True)  # fmt: skip
+    assert out.returncode != 0 and "the program to run goes after --" in out.stderr
+    argv = [
+        sys.executable,
+        str(SCRIPT),
+        "trace",
+        "--json",
+        str(tmp_path / "j"),
+        "--bench",
+        "b",
+        "--model",
+        "m",
+    ]
+    out = subprocess.run([*argv, "--setting", "NOVALUE"], capture_output=True, text=True)
+    assert out.returncode != 0 and "--setting 'NOVALUE': expected VAR=VALUE" in out.stderr
