@@ -10,7 +10,7 @@
 //   CUDA_INJECTION64_PATH=/tmp/mcs/step_trace.so MC_TRACE_OUT=/tmp/trace.csv prog ...
 //
 // The CSV's columns: correlation (one per launch call: a graph launch's kernels share it), graph,
-// node, start_ns, end_ns, grid (x.y.z), block (x.y.z), cluster (x.y.z), name (mangled). Records are
+// node, start_ns, end_ns, grid (x.y.z), block (x.y.z), cluster (x.y.z), name (mangled, quoted). Records are
 // written as CUPTI hands over its buffers and at exit.
 
 #include <cupti.h>
@@ -56,7 +56,7 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t * buffer, size_t, si
             continue;
         }
         const auto * k = (const CUpti_ActivityKernel10 *) record;
-        fprintf(g_out, "%u,%u,%llu,%llu,%llu,%d.%d.%d,%d.%d.%d,%u.%u.%u,%s\n", k->correlationId, k->graphId,
+        fprintf(g_out, "%u,%u,%llu,%llu,%llu,%d.%d.%d,%d.%d.%d,%u.%u.%u,\"%s\"\n", k->correlationId, k->graphId,
                 (unsigned long long) k->graphNodeId, (unsigned long long) k->start, (unsigned long long) k->end,
                 k->gridX, k->gridY, k->gridZ, k->blockX, k->blockY, k->blockZ, k->clusterX, k->clusterY,
                 k->clusterZ, k->name ? k->name : "?");

@@ -195,7 +195,17 @@ def report(steps: list[list[dict]], skip: int) -> dict:
     }  # fmt: skip
 
 
-def print_report(rep: dict, top: int) -> None:
+def around(rep: dict, pattern: str, nth: int = 4, width: int = 12) -> list[dict]:
+    """The positions within width of the nth kernel (from 0) whose name matches pattern (a regex), or
+    of its last match where there are fewer: one stretch of the step to read kernel by kernel."""
+    hits = [p["i"] for p in rep["positions"] if re.search(pattern, p["name"])]
+    if not hits:
+        return []
+    c = hits[min(nth, len(hits) - 1)]
+    return rep["positions"][max(0, c - width) : c + width + 1]
+
+
+def print_report(rep: dict, top: int, pattern: str | None = None) -> None:
     print(f"steps {rep['steps_used']} of {rep['steps']} ({rep['steps_differing']} differing), "
           f"{rep['kernels_per_step']} kernels a step, span {rep['span_us_median']:.1f} us (median), "
           f"sum of median increments {rep['sum_of_increments_us']:.1f} us")  # fmt: skip
@@ -204,6 +214,11 @@ def print_report(rep: dict, top: int) -> None:
         for r in rows[:top]:
             print(f"  {r['key'][:100]:<100} {r['count']:>6} {r['inc_us']:>9.1f} {r['inc_us_each']:>7.2f} "
                   f"{r['dur_us']:>9.1f}")  # fmt: skip
+    if pattern:
+        print(f"\naround a kernel matching {pattern!r}: {'inc us':>8} {'dur us':>8}  grid / block / cluster")
+        for p in around(rep, pattern):
+            print(f"  {p['i']:>5} {p['name'][:90]:<90} {p['inc_us']:>8.2f} {p['dur_us']:>8.2f}  "
+                  f"{p['grid']} / {p['block']} / {p['cluster']}")  # fmt: skip
 
 
 def main() -> None:
@@ -225,6 +240,7 @@ def main() -> None:
             "--min-kernels", type=int, default=100, help="kernels a graph launch needs to be a step"
         )
         p.add_argument("--top", type=int, default=30)
+        p.add_argument("--around", help="a regex: print the step's kernels around one that matches it")
         if p.prog.endswith("report"):
             p.add_argument("--csv", type=Path, required=True)
         else:
@@ -262,7 +278,7 @@ def main() -> None:
     rep = report(read_steps(a.csv, a.min_kernels), a.skip)
     rep.update(meta)
     a.json.write_text(json.dumps(rep, indent=1))
-    print_report(rep, a.top)
+    print_report(rep, a.top, a.around)
 
 
 if __name__ == "__main__":

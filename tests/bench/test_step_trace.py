@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +32,7 @@ def write_csv(path: Path, steps: list[list[tuple[str, int, int]]], extra: str = 
     lines = [HEADER]
     for c, kernels in enumerate(steps, start=10):
         for node, (name, start, end) in enumerate(kernels):
-            lines.append(f"{c},7,{node},{start},{end},1.1.1,128.1.1,0.0.0,{name}\n")
+            lines.append(f'{c},7,{node},{start},{end},1.1.1,128.1.1,0.0.0,"{name}"\n')
     path.write_text("".join(lines) + extra)
 
 
@@ -63,6 +64,20 @@ def test_the_increments_add_up_to_the_span_and_are_summed_by_kernel_and_boundary
     assert rep["by_name"][0]["inc_us"] == 30.0  # ranked by their sum
     pairs = [r["key"] for r in rep["by_pair"]]
     assert len(pairs) == 4 and pairs[0].startswith(("quant", "_Z5quantv")) and "->" in pairs[0]
+
+
+def test_a_stretch_of_the_step_around_a_kernel_and_names_with_commas(tmp_path):
+    st = load()
+    csv = tmp_path / "t.csv"
+    steps = [chain(t) for t in (0, 100_000, 200_000)]
+    steps = [[("void f<1, 2>(int, float)" if n == "_Z4normv" else n, a, b) for n, a, b in ks] for ks in steps]
+    write_csv(csv, steps)
+    rep = st.report(st.read_steps(csv, min_kernels=4), skip=1)
+    assert rep["positions"][1]["name"] == "f<1, 2>"  # the quoted name kept whole, its signature dropped
+    stretch = st.around(rep, r"^f<", nth=0, width=1)
+    assert [p["i"] for p in stretch] == [0, 1, 2]
+    assert st.around(rep, "nothing") == []
+    assert [p["i"] for p in st.around(rep, "quant", nth=9, width=0)] == [2]
 
 
 def test_a_step_with_other_kernels_is_counted_and_left_out(tmp_path):
@@ -124,3 +139,15 @@ def test_the_command_line_asks_for_the_program_and_for_valid_settings(tmp_path):
     ]
     out = subprocess.run([*argv, "--setting", "NOVALUE"], capture_output=True, text=True)
     assert out.returncode != 0 and "--setting 'NOVALUE': expected VAR=VALUE" in out.stderr
+
+
+def test_the_report_command_writes_its_json_and_prints_the_sums(tmp_path):
+    csv, out = tmp_path / "t.csv", tmp_path / "r.json"
+    write_csv(csv, [chain(t) for t in (0, 100_000, 200_000, 300_000)])
+    argv = [sys.executable, str(SCRIPT), "report", "--csv", str(csv), "--json", str(out)]
+    res = subprocess.run([*argv, "--min-kernels", "4", "--around", "quant"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    rep = json.loads(out.read_text())
+    assert rep["steps_used"] == 2 and rep["span_us_median"] == 34.0
+    assert "span 34.0 us" in res.stdout and "by boundary (previous -> kernel)" in res.stdout
+    assert "around a kernel matching 'quant'" in res.stdout
