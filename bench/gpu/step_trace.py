@@ -124,9 +124,11 @@ def read_steps(path: Path, min_kernels: int) -> list[list[dict]]:
     """The graph launches of at least min_kernels kernels, in launch order, each its kernels sorted by
     end time."""
     by_corr: dict[int, list[dict]] = defaultdict(list)
+    outside = 0
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
             if int(row["graph"]) == 0:
+                outside += 1
                 continue
             by_corr[int(row["correlation"])].append(
                 {"start": int(row["start_ns"]), "end": int(row["end_ns"]), "name": row["name"],
@@ -135,6 +137,12 @@ def read_steps(path: Path, min_kernels: int) -> list[list[dict]]:
     steps = [
         sorted(ks, key=lambda k: (k["end"], k["start"])) for ks in by_corr.values() if len(ks) >= min_kernels
     ]
+    if not steps:
+        sizes = sorted((len(ks) for ks in by_corr.values()), reverse=True)[:5]
+        raise SystemExit(
+            f"step_trace: no graph launch of at least {min_kernels} kernels in {path} ({outside} kernels "
+            f"outside graphs, {len(by_corr)} graph launches, the largest of {sizes} kernels)"
+        )
     return sorted(steps, key=lambda ks: min(k["start"] for k in ks))
 
 
