@@ -13,7 +13,9 @@ usage (on the GPU machine, after bench/gpu/side_by_side.sh has built the patched
       [--setting VAR=VALUE ...] [--csv $OUT/trace.csv]
 
 or in parts: `build --out SO` (the CUPTI library, found beside the CUDA toolkit or in the
-nvidia-cuda-cupti wheel), `run --so SO --csv CSV -- PROGRAM ARGS...`, `report --csv CSV --json OUT`.
+nvidia-cuda-cupti wheel), `run --so SO --csv CSV -- PROGRAM ARGS...`, `report --csv CSV --json OUT`;
+`compare A.json B.json` lines two reports' steps up kernel by kernel (a setting that leaves kernels
+out) and prints where B's step gains or loses time: by kernel name, and the kernels only one has.
 A step is one graph launch (its kernels share a correlation id) of at least --min-kernels kernels;
 the first --skip steps are left out (the warm-up). Writes JSON (the span, every position's median
 increment and duration, the sums by name and by pair) and prints the largest sums."""
@@ -229,6 +231,54 @@ def print_report(rep: dict, top: int, pattern: str | None = None) -> None:
                   f"{p['grid']} / {p['block']} / {p['cluster']}")  # fmt: skip
 
 
+def compare(a: dict, b: dict) -> dict:
+    """B's step against A's: the positions lined up by kernel name (difflib), the increment
+    differences (B - A) of the kernels both have summed by name, and the kernels only one of them
+    has with their increments, so that what B leaves out and which kernels take its time show."""
+    from difflib import SequenceMatcher
+
+    pa, pb = a["positions"], b["positions"]
+    sm = SequenceMatcher(None, [p["name"] for p in pa], [p["name"] for p in pb], autojunk=False)
+    delta: dict[str, dict] = {}
+    only: dict[str, dict] = {}
+    for tag, i1, i2, j1, j2 in sm.get_opcodes():
+        if tag == "equal":
+            for i, j in zip(range(i1, i2), range(j1, j2), strict=True):
+                e = delta.setdefault(pb[j]["name"], {"count": 0, "inc_us": 0.0, "dur_us": 0.0})
+                e["count"] += 1
+                e["inc_us"] += pb[j]["inc_us"] - pa[i]["inc_us"]
+                e["dur_us"] += pb[j]["dur_us"] - pa[i]["dur_us"]
+            continue
+        for side, ps in (("A", pa[i1:i2]), ("B", pb[j1:j2])):
+            for p in ps:
+                e = only.setdefault(f"{side}: {p['name']}", {"count": 0, "inc_us": 0.0, "dur_us": 0.0})
+                e["count"] += 1
+                e["inc_us"] += p["inc_us"]
+                e["dur_us"] += p["dur_us"]
+
+    def rows(table: dict[str, dict]) -> list[dict]:
+        out = [{"key": k, "count": v["count"], "inc_us": round(v["inc_us"], 2),
+                "dur_us": round(v["dur_us"], 2)} for k, v in table.items()]  # fmt: skip
+        return sorted(out, key=lambda r: -abs(r["inc_us"]))
+
+    return {
+        "span_us": [a["span_us_median"], b["span_us_median"]],
+        "span_delta_us": round(b["span_us_median"] - a["span_us_median"], 2),
+        "matched": sum(r.size for r in sm.get_matching_blocks()),
+        "delta_by_name": rows(delta), "only": rows(only),
+    }  # fmt: skip
+
+
+def print_compare(c: dict, top: int) -> None:
+    print(f"span A {c['span_us'][0]:.1f} us, B {c['span_us'][1]:.1f} us (B - A {c['span_delta_us']:+.1f}), "
+          f"{c['matched']} kernels lined up")  # fmt: skip
+    tables = (("kernels both run, B - A", c["delta_by_name"]), ("kernels only one runs", c["only"]))
+    for title, rows in tables:
+        print(f"\n{title}: {'count':>6} {'inc us':>9} {'dur us':>9}")
+        for r in rows[:top]:
+            print(f"  {r['key'][:100]:<100} {r['count']:>6} {r['inc_us']:>+9.1f} {r['dur_us']:>+9.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -238,6 +288,11 @@ def main() -> None:
     r.add_argument("--so", type=Path, required=True)
     r.add_argument("--csv", type=Path, required=True)
     r.add_argument("argv", nargs=argparse.REMAINDER)
+    c = sub.add_parser("compare", help="two reports' steps lined up kernel by kernel")
+    c.add_argument("a", type=Path)
+    c.add_argument("b", type=Path)
+    c.add_argument("--json", type=Path)
+    c.add_argument("--top", type=int, default=30)
     for p in (
         sub.add_parser("report", help="read a CSV"),
         sub.add_parser("trace", help="build, run, report"),
@@ -262,6 +317,12 @@ def main() -> None:
     a = ap.parse_args()
     if a.cmd == "build":
         print(build(a.out))
+        return
+    if a.cmd == "compare":
+        cmp = compare(json.loads(a.a.read_text()), json.loads(a.b.read_text()))
+        if a.json:
+            a.json.write_text(json.dumps(cmp, indent=1))
+        print_compare(cmp, a.top)
         return
     if a.cmd == "run":
         argv = a.argv[1:] if a.argv[:1] == ["--"] else a.argv

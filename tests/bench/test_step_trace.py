@@ -155,3 +155,32 @@ def test_the_report_command_writes_its_json_and_prints_the_sums(tmp_path):
     assert rep["steps_used"] == 2 and rep["span_us_median"] == 34.0
     assert "span 34.0 us" in res.stdout and "by boundary (previous -> kernel)" in res.stdout
     assert "around a kernel matching 'quant'" in res.stdout
+
+
+def test_compare_lines_up_the_steps_and_names_where_the_left_out_kernels_time_went(tmp_path):
+    st = load()
+    a_csv, b_csv = tmp_path / "a.csv", tmp_path / "b.csv"
+    write_csv(a_csv, [chain(t) for t in (0, 100_000, 200_000)])
+    # B leaves the norm out: the quantization ends where the norm did plus 1 us, the product as before
+    no_norm = [[k for k in chain(t) if k[0] != "_Z4normv"] for t in (0, 100_000, 200_000)]
+    no_norm = [[(n, s, e + (-2_000 if n == "_Z4prodv" and s > t else 0)) for n, s, e in ks]
+               for t, ks in zip((0, 100_000, 200_000), no_norm, strict=True)]  # fmt: skip
+    write_csv(b_csv, no_norm)
+    a = st.report(st.read_steps(a_csv, min_kernels=3), skip=1)
+    b = st.report(st.read_steps(b_csv, min_kernels=3), skip=1)
+    c = st.compare(a, b)
+    assert c["matched"] == 3 and c["span_delta_us"] == -2.0
+    only = {r["key"]: r for r in c["only"]}
+    assert set(only) == {"A: norm"} or set(only) == {"A: _Z4normv"}
+    assert next(iter(only.values()))["inc_us"] == 3.0
+    delta = {r["key"].lstrip("_Z45"): r["inc_us"] for r in c["delta_by_name"]}
+    # the quantization's increment now counts from the first product's end: 1 + 3 = 4 (was 1)
+    assert delta.get("quant", delta.get("quantv")) == 3.0
+    assert delta.get("prod", delta.get("prodv")) == -2.0
+    out = tmp_path / "c.json"
+    a_json, b_json = tmp_path / "a.json", tmp_path / "b.json"
+    a_json.write_text(json.dumps(a))
+    b_json.write_text(json.dumps(b))
+    cmd = [sys.executable, str(SCRIPT), "compare", str(a_json), str(b_json), "--json", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    assert "kernels only one runs" in res.stdout and json.loads(out.read_text())["span_delta_us"] == -2.0
