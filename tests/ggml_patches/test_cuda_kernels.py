@@ -779,3 +779,58 @@ def test_the_glu_runs_in_the_next_products_conversion_only_where_nothing_else_re
     ops = (patched / "tests" / "test-backend-ops.cpp").read_text()
     assert 'return "MC_GLU_MUL_MAT";' in ops
     assert "new test_mc_glu_mul_mat(GGML_TYPE_Q4_0, 5120, n, 17408)" in ops
+
+
+def test_the_early_trigger_is_read_once_and_comes_before_each_wait(patched):
+    """Patch 0049 (MC_EARLY_TRIGGER, 0 or 1, default 0): the one-token conv state's concat (stock's and
+    patch 0018's narrow kernel), the Gated DeltaNet recurrence and rope_multi trigger the next launch
+    (PDL) at their start when it is set, before their own wait, so that only the next launch moves;
+    the launches that go through PDL pass the setting, the plain ones 0."""
+    cuda = patched / "ggml/src/ggml-cuda"
+    header = (cuda / "mc-mmv.cuh").read_text()
+    read = 'ggml_cuda_mc_env_int("MC_EARLY_TRIGGER", 0, 1, 0)'
+    assert read in c_body(header, "static inline int ggml_cuda_mc_early_trigger() {")
+    sources = {name: (cuda / name).read_text() for name in ("concat.cu", "gated_delta_net.cu", "rope.cu")}
+    assert sum(s.count('"MC_EARLY_TRIGGER"') for s in sources.values()) == 0  # read in the header alone
+    kernels = (
+        ("concat.cu", "static __global__ void __launch_bounds__(CUDA_CONCAT_BLOCK_SIZE) concat_cont("),
+        ("concat.cu", "    mc_concat_narrow("),
+        ("gated_delta_net.cu", "gated_delta_net_cuda(const float * q,"),
+        ("rope.cu", "static __global__ void rope_multi("),
+    )
+    for name, head in kernels:
+        body = c_body(sources[name], head)
+        trigger = body.index("if (early) {  // MC_EARLY_TRIGGER\n        ggml_cuda_pdl_lc();\n    }")
+        assert trigger < body.index("ggml_cuda_pdl_sync();"), head
+    concat = sources["concat.cu"]
+    assert concat.count("ggml_cuda_mc_early_trigger()") == 2  # the dim-0 launch and the narrow one
+    assert concat.count("(x, y, dst, ne00, ne01, ne02, ne0, ne1, ne2, 0);") == 2  # dims 1 and 2, no PDL
+    assert sources["gated_delta_net.cu"].count("l2 ? l2->scale : 1.0f, ggml_cuda_mc_early_trigger());") == 4
+    assert sources["rope.cu"].count("is_imrope, inplace,\n            ggml_cuda_mc_early_trigger());") == 2
+
+
+def test_the_vector_attention_for_one_token_is_a_read_once_setting(patched):
+    """Patch 0050 (MC_FATTN_VEC_DECODE, 0 or 1, default 0): with tensor cores, one token of one sequence
+    goes to the vector kernel wherever that kernel applies, ahead of stock's choice (the MMA kernel at
+    GQA > 4 with 256-wide heads); unset, stock's choice is unchanged."""
+    fattn = (patched / "ggml/src/ggml-cuda/fattn.cu").read_text()
+    assert fattn.count('"MC_FATTN_VEC_DECODE"') == 1
+    best = c_body(fattn, "static best_fattn_kernel ggml_cuda_get_best_fattn_kernel(")
+    turing = best.index("if (turing_mma_available(cc)")
+    rule = best.index("if (mc_vec_decode && can_use_vector_kernel && Q->ne[1] == 1 && Q->ne[3] == 1) {")
+    assert turing < rule < best.index("if (can_use_vector_kernel) {", turing)
+    assert 'ggml_cuda_mc_env_int("MC_FATTN_VEC_DECODE", 0, 1, 0)' in best[turing:rule]
+
+
+@pytest.mark.parametrize("name", ["rope.cu", "fattn.cu"])
+def test_the_early_trigger_and_vector_attention_sources_compile(patched, name, tmp_path):
+    """rope.cu (patch 0049's rope_multi) and fattn.cu (patch 0050's rule) compile for sm_90; concat.cu
+    and gated_delta_net.cu are compiled, without spills, by the tests of patches 0018 and 0017."""
+    # the K-V type pairs of the vector kernel that ggml's CMake defines (its default list on)
+    types = ("F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "BF16")
+    on = {("F16", "F16"), ("Q4_0", "Q4_0"), ("Q8_0", "Q8_0"), ("BF16", "BF16")}
+    flags = ["--extended-lambda"] + [
+        f"-DGGML_CUDA_FA_{k}_{v}={int((k, v) in on)}" for k in types for v in types
+    ]
+    out = compile_cuda(patched, name, "90", tmp_path, *flags)
+    assert out.returncode == 0, out.stderr[-3000:]
