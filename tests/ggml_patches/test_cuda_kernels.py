@@ -782,13 +782,13 @@ def test_the_glu_runs_in_the_next_products_conversion_only_where_nothing_else_re
 
 
 def test_the_early_trigger_is_read_once_and_comes_before_each_wait(patched):
-    """Patch 0049 (MC_EARLY_TRIGGER, 0 or 1, default 0): the one-token conv state's concat (stock's and
+    """Patch 0049 (MC_EARLY_TRIGGER, 0 or 1, default 1): the one-token conv state's concat (stock's and
     patch 0018's narrow kernel), the Gated DeltaNet recurrence and rope_multi trigger the next launch
     (PDL) at their start when it is set, before their own wait, so that only the next launch moves;
     the launches that go through PDL pass the setting, the plain ones 0."""
     cuda = patched / "ggml/src/ggml-cuda"
     header = (cuda / "mc-mmv.cuh").read_text()
-    read = 'ggml_cuda_mc_env_int("MC_EARLY_TRIGGER", 0, 1, 0)'
+    read = 'ggml_cuda_mc_env_int("MC_EARLY_TRIGGER", 0, 1, 1)'
     assert read in c_body(header, "static inline int ggml_cuda_mc_early_trigger() {")
     sources = {name: (cuda / name).read_text() for name in ("concat.cu", "gated_delta_net.cu", "rope.cu")}
     assert sum(s.count('"MC_EARLY_TRIGGER"') for s in sources.values()) == 0  # read in the header alone
@@ -810,16 +810,19 @@ def test_the_early_trigger_is_read_once_and_comes_before_each_wait(patched):
 
 
 def test_the_vector_attention_for_one_token_is_a_read_once_setting(patched):
-    """Patch 0050 (MC_FATTN_VEC_DECODE, 0 or 1, default 0): with tensor cores, one token of one sequence
-    goes to the vector kernel wherever that kernel applies, ahead of stock's choice (the MMA kernel at
-    GQA > 4 with 256-wide heads); unset, stock's choice is unchanged."""
+    """Patch 0050 (MC_FATTN_VEC_DECODE, KV cells, default 4096; 0: stock's choice): with tensor cores,
+    one token of one sequence over at most that many KV cells goes to the vector kernel wherever that
+    kernel applies, ahead of stock's choice (the MMA kernel at GQA > 4 with 256-wide heads, which
+    measured faster at 32k: run BU); longer contexts keep stock's choice."""
     fattn = (patched / "ggml/src/ggml-cuda/fattn.cu").read_text()
     assert fattn.count('"MC_FATTN_VEC_DECODE"') == 1
     best = c_body(fattn, "static best_fattn_kernel ggml_cuda_get_best_fattn_kernel(")
     turing = best.index("if (turing_mma_available(cc)")
-    rule = best.index("if (mc_vec_decode && can_use_vector_kernel && Q->ne[1] == 1 && Q->ne[3] == 1) {")
+    rule = best.index(
+        "if (can_use_vector_kernel && Q->ne[1] == 1 && Q->ne[3] == 1 && K->ne[1] <= mc_vec_decode) {"
+    )
     assert turing < rule < best.index("if (can_use_vector_kernel) {", turing)
-    assert 'ggml_cuda_mc_env_int("MC_FATTN_VEC_DECODE", 0, 1, 0)' in best[turing:rule]
+    assert 'ggml_cuda_mc_env_int("MC_FATTN_VEC_DECODE", 0, 1 << 24, 4096)' in best[turing:rule]
 
 
 @pytest.mark.parametrize("name", ["rope.cu", "fattn.cu"])
