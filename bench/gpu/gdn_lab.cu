@@ -58,7 +58,8 @@ static void launch(const std::string & variant, const lab_bufs & b, int layer, i
                                gated_delta_net_cuda<LAB_SV, false, false, 0, true>;
         kernel<<<dim3(LAB_H, 1, LAB_SV / 4), block, smem>>>(q, k, v, b.g, b.beta, b.s_in[layer], b.out,
                                                              b.s_out[layer], LAB_H, n, 1, sq1, sq2, sq3, sq1, sq2,
-                                                             sq3, sb1, sb2, sb3, neqk1, rq3, scale, slot, 1, eps, l2s);
+                                                             sq3, sb1, sb2, sb3, neqk1, rq3, scale, slot, 1, eps, l2s,
+                                                             0);  // no PDL here: patch 0049's trigger off
     } else {
         const size_t smem = sizeof(float) * mc_gdn_stage_floats(LAB_SV, false, ch, 4 * MC_GDN_WIDE_CPW);
         mc_gdn_wide<false, true><<<dim3(LAB_H, 1, LAB_SV / (4 * MC_GDN_WIDE_CPW)), block, smem>>>(
