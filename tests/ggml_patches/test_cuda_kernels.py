@@ -837,3 +837,47 @@ def test_the_early_trigger_and_vector_attention_sources_compile(patched, name, t
     ]
     out = compile_cuda(patched, name, "90", tmp_path, *flags)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_the_norm_rope_fusion_takes_m_rope_behind_a_read_once_setting(patched):
+    """Patch 0051 (MC_NORM_ROPE_MULTI, 0 or 1, default 1): stock's fused RMS_NORM + MUL + ROPE (+ VIEW +
+    SET_ROWS) kernel takes M-RoPE and interleaved M-RoPE (qwen35's attention) as well; the angles come
+    from one helper that stock's rope_multi now calls too, so both paths compute them with the same
+    statements; stock's ROPE + VIEW + SET_ROWS kernel (no norm) still refuses M-RoPE, which it cannot
+    write; test-backend-ops has cases at the 27B's attention shapes (Q's strided view, K into f16)."""
+    cuda = patched / "ggml/src/ggml-cuda"
+    header = (cuda / "mc-mmv.cuh").read_text()
+    setting = c_body(header, "static inline bool ggml_cuda_mc_norm_rope_multi(const int mode) {")
+    assert 'ggml_cuda_mc_env_int("MC_NORM_ROPE_MULTI", 0, 1, 1)' in setting
+    assert "mode == GGML_ROPE_TYPE_MROPE || mode == GGML_ROPE_TYPE_IMROPE" in setting  # vision never
+    rope = (cuda / "rope.cu").read_text()
+    assert rope.count("mc_rope_multi_theta_base(") == 3  # the helper, rope_multi, the fused kernel
+    multi = c_body(rope, "static __global__ void rope_multi(")
+    assert "sections.v[0] + sections.v[1]" not in multi  # the helper's statements alone
+    fused = c_body(rope, "static __global__ void rms_norm_mul_rope_f32(")
+    assert "mc_rope_multi_theta_base(pos, channel, gridDim.y, i0, theta_scale, sections," in fused
+    op = c_body(rope, "void ggml_cuda_op_rms_norm_mul_rope_fused(")
+    assert "const bool is_neox = (mode & GGML_ROPE_TYPE_NEOX) || mrope != 0;" in op
+    main = (cuda / "ggml-cuda.cu").read_text()
+    set_rows = c_body(main, "static bool ggml_cuda_should_fuse_rope_set_rows(")
+    assert "!(after_norm && ggml_cuda_mc_norm_rope_multi(mode))" in set_rows
+    assert main.count("ggml_cuda_should_fuse_rope_set_rows(rope, view, set_rows, /*after_norm=*/true)") == 1
+    assert main.count("ggml_cuda_should_fuse_rope_set_rows(rope, view, set_rows)") == 1  # rope alone
+    norm = c_body(main, "static bool ggml_cuda_should_fuse_rms_norm_mul_rope(")
+    assert "!ggml_cuda_mc_norm_rope_multi(mode)" in norm
+    tests = (patched / "tests/test-backend-ops.cpp").read_text()
+    assert "GGML_TYPE_F16, 64, true));" in tests and "GGML_TYPE_F16, 64, false));" in tests
+
+
+@pytest.mark.parametrize("arch", ["90", "120"])
+def test_the_fused_norm_rope_compiles_without_spills(patched, arch, tmp_path):
+    """rope.cu with patch 0051 compiles for both targets, the fused kernel's forms without spills."""
+    out = compile_cuda(patched, "rope.cu", arch, tmp_path, "-Xptxas=-v")
+    assert out.returncode == 0, out.stderr[-3000:]
+    fused = re.findall(
+        r"Compiling entry function '(_Z21rms_norm_mul_rope_f32\w+)'.*?(\d+) bytes spill stores",
+        out.stderr,
+        re.S,
+    )
+    assert len(fused) == 8, fused  # 256 / 1,024 threads x frequency factors or not x f32 / f16 out
+    assert {spill for _, spill in fused} == {"0"}, fused
