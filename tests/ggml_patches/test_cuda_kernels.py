@@ -560,10 +560,11 @@ def test_the_norm_probe_is_a_read_once_diagnostic_of_the_norms_between_products(
     body = main[fuse : main.index("return 2;", fuse)]
     assert "const int probe = mc_probe_norm();" in body
     assert "if (probe != 1) {" in body
-    assert "ggml_cuda_mc_add_rms_norm_mul(*ctx, add, norm, mul, probe != 2);" in body
-    stock = main.index("ggml_cuda_op_rms_norm_fused(*cuda_ctx, node, cgraph->nodes[i + 1]);")
+    # (patch 0052 passes its pre-quantized blocks, MC_PREQ, to both calls)
+    assert "ggml_cuda_mc_add_rms_norm_mul(*ctx, add, norm, mul, probe != 2, pq.q8)" in body
+    stock = main.index("ggml_cuda_op_rms_norm_fused(*cuda_ctx, node, cgraph->nodes[i + 1], mc_pq.q8)")
     skip = "if (mc_probe_norm() == 3 && ggml_nrows(node) == 1 && node->ne[0] >= 1024) {"
-    assert skip in main[stock - 300 : stock]
+    assert skip in main[stock - 450 : stock]
     norm = (patched / "ggml/src/ggml-cuda/norm.cu").read_text()
     assert "if constexpr (REDUCE) {" in norm
     assert "reduce ? mc_add_rms_norm_mul_f32<1024, true> : mc_add_rms_norm_mul_f32<1024, false>" in norm
@@ -881,3 +882,110 @@ def test_the_fused_norm_rope_compiles_without_spills(patched, arch, tmp_path):
     )
     assert len(fused) == 8, fused  # 256 / 1,024 threads x frequency factors or not x f32 / f16 out
     assert {spill for _, spill in fused} == {"0"}, fused
+
+
+def test_pre_quantized_activations_are_written_by_their_producers_and_taken_by_the_products(patched):
+    """Patch 0052 (MC_PREQ, 0..2, default 1): the kernel computing a one-column product's input writes
+    its q8_1 blocks too: the fused UNARY + MUL (qwen35's gated norm output and sigmoid gate, level 1)
+    and the fused RMS norms x weight (level 2), with quantize_q8_1's statements on the same lanes'
+    values, so the blocks are its bits; the product (mc_mmv_run's q8_1 path, the Q6_K output) takes
+    them only for the data, length and graph nodes the producer's plan recorded, and quantizes itself
+    otherwise; the plan scans the following nodes for such a product and stops at one writing over the
+    data; each node sets the context's node index, and every graph starts and ends with none recorded."""
+    cuda = patched / "ggml/src/ggml-cuda"
+    header = (cuda / "mc-preq.cuh").read_text()
+    store = c_body(header, "static __device__ __forceinline__ void mc_preq_store(")
+    stock = c_body((cuda / "quantize.cu").read_text(), "static __global__ void quantize_q8_1(")
+    # stock's statements (one value a lane, the warp's butterflies), which the helper transcribes
+    assert_statements(
+        stock,
+        (
+            "sum  = warp_reduce_sum<QK8_1>(sum);",
+            "const float  d = amax / 127.0f;",
+            "const int8_t q = amax == 0.0f ? 0 : roundf(xi / d);",
+            "y[ib].ds = make_half2(d, sum);",
+        ),
+    )
+    assert_statements(
+        store,
+        (
+            "const float sum  = warp_reduce_sum<QK8_1>(xi);",
+            "const float d    = amax / 127.0f;",
+            "y[i / QK8_1].qs[i % QK8_1] = amax == 0.0f ? 0 : (int8_t) roundf(xi / d);",
+            "y[i / QK8_1].ds = make_half2(d, sum);",
+            "__reduce_max_sync(0xFFFFFFFFu, __float_as_uint(fabsf(xi)))",
+            "const float amax = warp_reduce_max<QK8_1>(fabsf(xi));",  # before Ampere
+        ),
+    )
+    assert "#define MC_PREQ_DEFAULT 1 " in header
+    main = (cuda / "ggml-cuda.cu").read_text()
+    assert main.count('"MC_PREQ"') == 1
+    plan = c_body(main, "mc_preq_plan_t ggml_cuda_mc_preq_plan(")
+    assert 'ggml_cuda_mc_env_int("MC_PREQ", 0, 2, MC_PREQ_DEFAULT)' in plan
+    assert "if (level_on < level || ctx.curr_stream_no != 0 || ctx.mc_node < 0" in plan
+    scan = plan[plan.index("for (; j < end; ++j) {") :]
+    assert scan.index("ggml_cuda_is_view_or_noop(n)") < scan.index("n->op == GGML_OP_MUL_MAT")
+    assert scan.index("n->op == GGML_OP_MUL_MAT") < scan.index("break;  // writes over out")
+    assert "y->ne[0] == k && ggml_nrows(y) == 1" in scan
+    assert "plan.until = j;" in plan and "if (!used) {" in plan
+    take = c_body(main, "const block_q8_1 * ggml_cuda_mc_preq_take(")
+    assert_statements(
+        take,
+        (
+            "src1->data != ctx.mc_preq_data",
+            "ctx.mc_node >= ctx.mc_preq_until",
+            "ctx.curr_stream_no != 0",
+            "src1->ne[0] != ctx.mc_preq_k || ggml_nrows(src1) != 1",
+        ),
+    )
+    # producers: the plan's blocks passed in, the record committed only where the kernel wrote them
+    for call, level in (
+        ("ggml_cuda_op_unary_mul(*cuda_ctx, node, cgraph->nodes[i + 1], mc_pq.q8)", 1),
+        ("ggml_cuda_op_rms_norm_fused(*cuda_ctx, node, cgraph->nodes[i + 1], mc_pq.q8)", 2),
+        ("ggml_cuda_mc_add_rms_norm_mul(*ctx, add, norm, mul, probe != 2, pq.q8)", 2),
+    ):
+        at = main.index(call)
+        before = main[main.rindex("\n", 0, main.rindex("\n", 0, at)) : at]
+        assert f", {level});" in before, call
+        assert "ggml_cuda_mc_preq_commit(" in main[at : at + 200], call
+    loop = main[main.index("ggml_cuda_mc_next_weights_plan(cgraph);") :]
+    assert loop.index("cuda_ctx->mc_preq_data = nullptr;") < loop.index("cuda_ctx->mc_node = i;")
+    end = loop.index("ggml_cuda_mc_next_weights_end();")
+    assert "cuda_ctx->mc_node      = -1;" in loop[end : end + 200]
+    # the kernels: whole warps, the f32 output's own value quantized
+    unary = (cuda / "unary.cu").read_text()
+    gated = c_body(unary, "static __global__ void unary_gated_op_kernel(")
+    assert "dst[i] = ggml_cuda_cast<T>(v);" in gated and "mc_preq_store(q8, i, v);" in gated
+    assert "q8 = k % QK8_1 == 0 && ggml_is_contiguous(mul_node) ? q8 : nullptr;" in unary
+    norm = (cuda / "norm.cu").read_text()
+    assert "mc_preq_store(mc_q8, q8_base + col, v);" in c_body(norm, "static __global__ void rms_norm_f32(")
+    assert "mc_preq_store(q8, row * ncols + col, v);" in c_body(
+        norm, "static __global__ void mc_add_rms_norm_mul_f32("
+    )
+    assert norm.count("q8 = ncols % QK8_1 == 0 ? q8 : nullptr;") == 2
+    assert norm.count("1.0f, q8);") == 1  # the cached form alone; every other launch passes nullptr
+    # the products: the blocks where taken, else the quantization as before
+    mmv = (cuda / "mc-mmv.cu").read_text()
+    assert mmv.count("ggml_cuda_mc_preq_take(ctx, src1)") == 2
+    run = c_body(mmv, "static void mc_mmv_run(")
+    assert "ncols == 1 ? ggml_cuda_mc_preq_take(ctx, src1) : nullptr;" in run
+    assert run.index("if (pre == nullptr) {") < run.index("quantize_row_q8_1_cuda(")
+    tests = (patched / "tests/test-backend-ops.cpp").read_text()
+    assert "new test_mc_gate_mul_mat(GGML_TYPE_Q4_0, true, 128, 48, 1, 5120));" in tests
+    assert "new test_mc_gate_mul_mat(GGML_TYPE_Q4_0, false, 256, 24, 1, 5120));" in tests
+    assert "new test_mc_norm_mul_mat(GGML_TYPE_Q4_0, add, 5120, 1));" in tests
+
+
+@pytest.mark.parametrize("arch", ["90", "120"])
+def test_the_pre_quantizing_producers_compile_without_spills(patched, arch, tmp_path):
+    """unary.cu with patch 0052 compiles for both targets, the gated kernels without spills (norm.cu's
+    forms: test_the_cached_rms_norm_compiles; ggml-cuda.cu: test_the_patched_ggml_cuda_compiles)."""
+    out = compile_cuda(patched, "unary.cu", arch, tmp_path, "-Xptxas=-v")
+    assert out.returncode == 0, out.stderr[-3000:]
+    gated = re.findall(
+        r"Compiling entry function '(_Z21unary_gated_op_kernel\w+)'.*?(\d+) bytes spill stores",
+        out.stderr,
+        re.S,
+    )
+    assert any("P10block_q8_1" in name for name, _ in gated), gated
+    assert gated and {spill for _, spill in gated} == {"0"}, gated
