@@ -319,11 +319,13 @@ def test_the_persistent_one_column_kernel_is_wired_and_falls_back(patched):
     the ring's order."""
     source = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
     assert 'mc_env_int("MC_MMV_PERSIST", 0, 1, 1)' in source
-    launch = c_body(source, "template <int NC, bool GATE>\nstatic void mc_mmv_launch(")
+    launch = c_body(source, "template <int NC, bool GATE>\nstatic bool mc_mmv_launch(")
     hook = launch.index("if constexpr (NC == 1) {")
     assert "mc_pmv_on() && !x_bias && !gate_bias &&" in launch[hook:]
     persist = launch.index("mc_pmv_launch<GATE, true>(")
-    assert hook < persist < launch.index("return;") < launch.index("mc_mmv_q4_0<NC, GATE>")
+    # (patch 0054: returns whether the gated product's q8_1 blocks were written, never by mc_mmv_q4_0)
+    assert hook < persist < launch.index("return q8_done;") < launch.index("mc_mmv_q4_0<NC, GATE>")
+    assert launch.rstrip().endswith("return false;")
     # the definition (a declaration before mc_mmv_launch has the same head up to its parameters)
     head = "static bool mc_pmv_launch(const mc_mm_group & grp, const char * vgate, const block_q8_1 * y, "
     run = c_body(source, head + "const int glu_op,")
@@ -369,7 +371,7 @@ def test_the_persistent_one_column_kernel_is_wired_and_falls_back(patched):
     # the stage and parity step as i does (i % stages, (i / stages) & 1), after the refill of that stage
     step = loop.index("if (++stage == a.stages) {\n            stage = 0;\n            parity ^= 1u;")
     assert wait < last_sync < refill < step
-    assert "int      stage  = 0;\n    uint32_t parity = 0;" in kernel
+    assert "int      stage     = 0;\n    uint32_t parity    = 0;" in kernel
 
 
 def byte_perm(x: int, y: int, sel: int) -> int:
