@@ -535,7 +535,8 @@ def test_the_cached_rms_norm_compiles(patched, arch, tmp_path):
     1,024-thread block allows; their test-backend-ops cases are in the tree."""
     out = compile_cuda(patched, "norm.cu", arch, tmp_path, "-Xptxas", "-v")
     assert out.returncode == 0, out.stderr[-3000:]
-    forms = {r"_Z12rms_norm_f32ILi(\d+)ELb1ELb0ELb0ELb1E": ["1024", "256"]}
+    # (patch 0055's split form, 8 blocks a row, is the cached 1,024-thread form's second instance)
+    forms = {r"_Z12rms_norm_f32ILi(\d+)ELb1ELb0ELb0ELb1ELi\d+E": ["1024", "1024", "256"]}
     forms[r"_Z23mc_add_rms_norm_mul_f32ILi(\d+ELb\d)E"] = ["1024ELb0", "1024ELb1", "256ELb0", "256ELb1"]
     for kernel, expected in forms.items():
         found = re.findall(f"entry function '{kernel}\\w+'.*?Used (\\d+) registers", out.stderr, re.S)
@@ -564,7 +565,7 @@ def test_the_norm_probe_is_a_read_once_diagnostic_of_the_norms_between_products(
     assert "if (probe != 1) {" in body
     # (patch 0052 passes its pre-quantized blocks, MC_PREQ, to both calls)
     assert "ggml_cuda_mc_add_rms_norm_mul(*ctx, add, norm, mul, probe != 2, pq.q8)" in body
-    stock = main.index("ggml_cuda_op_rms_norm_fused(*cuda_ctx, node, cgraph->nodes[i + 1], mc_pq.q8)")
+    stock = main.index("ggml_cuda_op_rms_norm_fused(*cuda_ctx, node, cgraph->nodes[i + 1], mc_pq.q8, mc_pq")
     skip = "if (mc_probe_norm() == 3 && ggml_nrows(node) == 1 && node->ne[0] >= 1024) {"
     assert skip in main[stock - 450 : stock]
     norm = (patched / "ggml/src/ggml-cuda/norm.cu").read_text()
@@ -923,8 +924,8 @@ def test_pre_quantized_activations_are_written_by_their_producers_and_taken_by_t
     main = (cuda / "ggml-cuda.cu").read_text()
     assert main.count('"MC_PREQ"') == 1
     plan = c_body(main, "mc_preq_plan_t ggml_cuda_mc_preq_plan(")
-    assert 'ggml_cuda_mc_env_int("MC_PREQ", 0, 2, MC_PREQ_DEFAULT)' in plan
-    assert "if (level_on < level || ctx.curr_stream_no != 0 || ctx.mc_node < 0" in plan
+    assert 'ggml_cuda_mc_env_int("MC_PREQ", 0, 3, MC_PREQ_DEFAULT)' in plan
+    assert "level_on < level || level_on > max_level || ctx.curr_stream_no != 0 || ctx.mc_node < 0" in plan
     scan = plan[plan.index("for (; j < end; ++j) {") :]
     assert scan.index("ggml_cuda_is_view_or_noop(n)") < scan.index("n->op == GGML_OP_MUL_MAT")
     assert scan.index("n->op == GGML_OP_MUL_MAT") < scan.index("break;  // writes over out")
@@ -943,7 +944,7 @@ def test_pre_quantized_activations_are_written_by_their_producers_and_taken_by_t
     # producers: the plan's blocks passed in, the record committed only where the kernel wrote them
     for call, level in (
         ("ggml_cuda_op_unary_mul(*cuda_ctx, node, cgraph->nodes[i + 1], mc_pq.q8)", 1),
-        ("ggml_cuda_op_rms_norm_fused(*cuda_ctx, node, cgraph->nodes[i + 1], mc_pq.q8)", 2),
+        ("ggml_cuda_op_rms_norm_fused(*cuda_ctx, node, cgraph->nodes[i + 1], mc_pq.q8, mc_pq.split)", 2),
         ("ggml_cuda_mc_add_rms_norm_mul(*ctx, add, norm, mul, probe != 2, pq.q8)", 2),
     ):
         at = main.index(call)

@@ -1,5 +1,6 @@
-"""Patches 0053 (MC_GATED_NORM: the Gated DeltaNet's gated RMS norm in one launch) and 0054
-(MC_PREQ_GLU: the FFN's gated product writes ffn_down's q8_1 blocks). This machine has no GPU: the
+"""Patches 0053 (MC_GATED_NORM: the Gated DeltaNet's gated RMS norm in one launch), 0054
+(MC_PREQ_GLU: the FFN's gated product writes ffn_down's q8_1 blocks) and 0055 (MC_PREQ=3: the RMS
+norms write their product's q8_1 blocks from 8 blocks a row). This machine has no GPU: the
 kernels are compiled here (both targets, no spills), their statements checked against the source, and
 the two pieces of logic a wrong line would break silently are emulated: 0053's sum of squares in the
 order of the two stock kernels it replaces (so the output is their bits), 0054's runs of pieces and
@@ -275,3 +276,40 @@ def test_the_glu_blocks_are_written_as_emulated(patched):
     tests = (patched / "tests/test-backend-ops.cpp").read_text()
     assert "new test_mc_ffn(GGML_TYPE_Q4_0, 5120, 17408, 1, 2));" in tests
     assert "ggml_tensor * h   = ggml_rms_norm(ctx, x, 1e-6f);" in tests
+
+
+# ---- patch 0055: the RMS norm x weight over 8 blocks a row (MC_PREQ=3) ----
+
+
+def test_the_split_norm_writes_each_column_once_with_the_whole_rows_sum(patched):
+    """Each of the split blocks computes the row's sum of squares as the single block does (the loads
+    and the block reduction are not touched) and writes the columns of its eighth (whole warps, so
+    whole q8_1 blocks); the split applies only where blocks are written, at MC_PREQ=3, to the norm x
+    weight and not to the residual add + norm (which may write its sum over its input)."""
+    cuda = patched / "ggml/src/ggml-cuda"
+    norm = (cuda / "norm.cu").read_text()
+    kernel = c_body(norm, "static __global__ void rms_norm_f32(")
+    assert_statements(
+        kernel,
+        (
+            "const int nrows     = gridDim.x / split;",
+            "const int row       = blockIdx.x / split;",
+            "if (col < ncols && (split == 1 || col / (ncols / split) == (int) (blockIdx.x % split))) {",
+            "tmp = block_reduce<block_reduce_method::SUM, block_size>(tmp, s_sum);",
+        ),
+    )
+    # the write's guard is the only place split enters between the loads and the reduction's end
+    assert "split" not in kernel[kernel.index("ggml_cuda_pdl_sync();") : kernel.index("const float mean")]
+    for block in range(8):  # every column of a 5,120-value row to exactly one block, in whole warps
+        cols = [c for c in range(5120) if c // (5120 // 8) == block]
+        assert len(cols) == 640 and cols[0] % 32 == 0
+    launch = c_body(norm, "static bool rms_norm_mul_f32_cuda(")
+    assert (
+        "const bool split = q8 != nullptr && mc_split == MC_NORM_SPLIT && ncols >= 1024 && "
+        "ncols % (QK8_1 * MC_NORM_SPLIT) == 0;"
+    ) in launch
+    assert "#define MC_NORM_SPLIT 8 " in norm
+    main = (cuda / "ggml-cuda.cu").read_text()
+    plan = c_body(main, "mc_preq_plan_t ggml_cuda_mc_preq_plan(")
+    assert "plan.split = level_on == 3 ? 8 : 1;" in plan
+    assert "ggml_cuda_mc_preq_plan(*ctx, cgraph, i + 2, mul, 2, 2);  // MC_PREQ=2 only" in main
