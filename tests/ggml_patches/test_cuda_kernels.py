@@ -804,12 +804,18 @@ def test_the_early_trigger_is_read_once_and_comes_before_each_wait(patched):
     )
     for name, head in kernels:
         body = c_body(sources[name], head)
-        trigger = body.index("if (early) {  // MC_EARLY_TRIGGER\n        ggml_cuda_pdl_lc();\n    }")
+        # (patch 0056: the recurrence's flags carry MC_GDN_STATE_EARLY in their second bit)
+        flag = "early & 1" if name == "gated_delta_net.cu" else "early"
+        trigger = body.index(f"if ({flag}) {{  // MC_EARLY_TRIGGER\n        ggml_cuda_pdl_lc();\n    }}")
         assert trigger < body.index("ggml_cuda_pdl_sync();"), head
     concat = sources["concat.cu"]
     assert concat.count("ggml_cuda_mc_early_trigger()") == 2  # the dim-0 launch and the narrow one
     assert concat.count("(x, y, dst, ne00, ne01, ne02, ne0, ne1, ne2, 0);") == 2  # dims 1 and 2, no PDL
-    assert sources["gated_delta_net.cu"].count("l2 ? l2->scale : 1.0f, ggml_cuda_mc_early_trigger());") == 4
+    assert sources["gated_delta_net.cu"].count("l2 ? l2->scale : 1.0f, early);") == 4
+    assert (
+        "const int         early          = ggml_cuda_mc_early_trigger() | (state_early ? 2 : 0);"
+        in (sources["gated_delta_net.cu"])
+    )
     assert sources["rope.cu"].count("is_imrope, inplace,\n            ggml_cuda_mc_early_trigger());") == 2
 
 
