@@ -252,7 +252,10 @@ def test_the_glu_blocks_are_written_as_emulated(patched):
     launch = c_body(mmv, "static bool mc_pmv_launch_as(")
     assert "grp.n == 1 && grp.nrows[0] % QK8_1 == 0" in launch and "QK8_1 % plan.rs == 0" in launch
     assert "*q8_done = a.q8 != nullptr;" in launch
-    assert 'a.q8_first = mc_env_int("MC_PREQ_GLU", 0, 2, 1) != 2;' in launch
+    assert "a.q8_first = ggml_cuda_mc_preq_glu() != 2;" in launch
+    header = (cuda / "mc-mmv.cuh").read_text()  # the setting read once, for both places
+    read = c_body(header, "static inline int ggml_cuda_mc_preq_glu() {")
+    assert 'static const int v = ggml_cuda_mc_env_int("MC_PREQ_GLU", 0, 2, 1);' in read
     run = c_body(mmv, "static void mc_mmv_run(")
     assert "*fu.q8_done = q8_done;" in run
     main = (cuda / "ggml-cuda.cu").read_text()
@@ -269,7 +272,7 @@ def test_the_glu_blocks_are_written_as_emulated(patched):
     take = c_body(main, "const block_q8_1 * ggml_cuda_mc_preq_take(")
     assert "ctx.mc_preq_half * (MC_PREQ_MAX_K / QK8_1)" in take
     fuse = c_body(main, "static int ggml_cuda_try_fuse(")
-    at = fuse.index('ggml_cuda_mc_env_int("MC_PREQ_GLU", 0, 2, 1) >= 1')
+    at = fuse.index("ggml_cuda_mc_preq_glu() >= 1 && !ids ?")
     glu = fuse[at : at + 1200]
     assert "ggml_cuda_mc_preq_plan(*cuda_ctx, cgraph, i + 2, glu, 1)" in glu
     commit = glu.index("ggml_cuda_mc_preq_commit(*cuda_ctx, glu, mc_pq);")
