@@ -987,8 +987,9 @@ def test_pre_quantized_activations_are_written_by_their_producers_and_taken_by_t
 
 @pytest.mark.parametrize("arch", ["90", "120"])
 def test_the_pre_quantizing_producers_compile_without_spills(patched, arch, tmp_path):
-    """unary.cu with patch 0052 compiles for both targets, the gated kernels without spills (norm.cu's
-    forms: test_the_cached_rms_norm_compiles; ggml-cuda.cu: test_the_patched_ggml_cuda_compiles)."""
+    """unary.cu with patch 0052 compiles for both targets, the gated kernels without spills, and patch
+    0053's gated norm in its two forms (up to 4 and 8 warps' worth of columns) too (norm.cu's forms:
+    test_the_cached_rms_norm_compiles; ggml-cuda.cu: test_the_patched_ggml_cuda_compiles)."""
     out = compile_cuda(patched, "unary.cu", arch, tmp_path, "-Xptxas=-v")
     assert out.returncode == 0, out.stderr[-3000:]
     gated = re.findall(
@@ -998,3 +999,9 @@ def test_the_pre_quantizing_producers_compile_without_spills(patched, arch, tmp_
     )
     assert any("P10block_q8_1" in name for name, _ in gated), gated
     assert gated and {spill for _, spill in gated} == {"0"}, gated
+    forms = re.findall(
+        r"Compiling entry function '_Z17mc_gated_norm_f32ILi(\d)E\w+'.*?(\d+) bytes spill stores",
+        out.stderr,
+        re.S,
+    )
+    assert sorted(forms) == [("4", "0"), ("8", "0")], forms
