@@ -804,18 +804,12 @@ def test_the_early_trigger_is_read_once_and_comes_before_each_wait(patched):
     )
     for name, head in kernels:
         body = c_body(sources[name], head)
-        # (patch 0056: the recurrence's flags carry MC_GDN_STATE_EARLY in their second bit)
-        flag = "early & 1" if name == "gated_delta_net.cu" else "early"
-        trigger = body.index(f"if ({flag}) {{  // MC_EARLY_TRIGGER\n        ggml_cuda_pdl_lc();\n    }}")
+        trigger = body.index("if (early) {  // MC_EARLY_TRIGGER\n        ggml_cuda_pdl_lc();\n    }")
         assert trigger < body.index("ggml_cuda_pdl_sync();"), head
     concat = sources["concat.cu"]
     assert concat.count("ggml_cuda_mc_early_trigger()") == 2  # the dim-0 launch and the narrow one
     assert concat.count("(x, y, dst, ne00, ne01, ne02, ne0, ne1, ne2, 0);") == 2  # dims 1 and 2, no PDL
-    assert sources["gated_delta_net.cu"].count("l2 ? l2->scale : 1.0f, early);") == 4
-    assert (
-        "const int         early          = ggml_cuda_mc_early_trigger() | (state_early ? 2 : 0);"
-        in (sources["gated_delta_net.cu"])
-    )
+    assert sources["gated_delta_net.cu"].count("l2 ? l2->scale : 1.0f, ggml_cuda_mc_early_trigger());") == 4
     assert sources["rope.cu"].count("is_imrope, inplace,\n            ggml_cuda_mc_early_trigger());") == 2
 
 
@@ -926,7 +920,7 @@ def test_pre_quantized_activations_are_written_by_their_producers_and_taken_by_t
             "const float amax = warp_reduce_max<QK8_1>(fabsf(xi));",  # before Ampere
         ),
     )
-    assert "#define MC_PREQ_DEFAULT 1 " in header
+    assert "#define MC_PREQ_DEFAULT 3 " in header  # level 3 since run CB (patch 0055)
     main = (cuda / "ggml-cuda.cu").read_text()
     assert main.count('"MC_PREQ"') == 1
     plan = c_body(main, "mc_preq_plan_t ggml_cuda_mc_preq_plan(")

@@ -1,7 +1,6 @@
 """Patches 0053 (MC_GATED_NORM: the Gated DeltaNet's gated RMS norm in one launch), 0054
-(MC_PREQ_GLU: the FFN's gated product writes ffn_down's q8_1 blocks), 0055 (MC_PREQ=3: the RMS
-norms write their product's q8_1 blocks from 8 blocks a row) and 0056 (MC_GDN_STATE_EARLY: the
-recurrence reads its state before the PDL wait where it lives in place). This machine has no GPU: the
+(MC_PREQ_GLU: the FFN's gated product writes ffn_down's q8_1 blocks) and 0055 (MC_PREQ=3: the RMS
+norms write their product's q8_1 blocks from 8 blocks a row). This machine has no GPU: the
 kernels are compiled here (both targets, no spills), their statements checked against the source, and
 the two pieces of logic a wrong line would break silently are emulated: 0053's sum of squares in the
 order of the two stock kernels it replaces (so the output is their bits), 0054's runs of pieces and
@@ -303,23 +302,3 @@ def test_the_split_norm_writes_each_column_once_with_the_whole_rows_sum(patched)
     plan = c_body(main, "mc_preq_plan_t ggml_cuda_mc_preq_plan(")
     assert "plan.split = level_on == 3 ? 8 : 1;" in plan
     assert "ggml_cuda_mc_preq_plan(*ctx, cgraph, i + 2, mul, 2, 2);  // MC_PREQ=2 only" in main
-
-
-# ---- patch 0056: the recurrent state read before the PDL wait (MC_GDN_STATE_EARLY) ----
-
-
-def test_the_state_is_read_early_only_in_place_and_once(patched):
-    """The state's loads move before the PDL wait only where the launcher found the input state to be
-    the output's memory (the cache rows, patch 0006's direct view: what an earlier graph wrote) and no
-    snapshots are kept; else after it, as before; either way exactly once. Off by default until a GPU
-    run measures it."""
-    source = (patched / "ggml/src/ggml-cuda/gated_delta_net.cu").read_text()
-    kernel = c_body(source, "gated_delta_net_cuda(const float * q,")
-    load = "s_shard[r]  = curr_state[i];"
-    wait = kernel.index("ggml_cuda_pdl_sync();")
-    early, late = kernel.index("if (early & 2) {"), kernel.index("if (!(early & 2)) {")
-    assert kernel.count(load) == 2
-    assert early < kernel.index(load) < wait < late < kernel.rindex(load)
-    launcher = c_body(source, "static void launch_gated_delta_net(")
-    assert 'ggml_cuda_mc_env_int("MC_GDN_STATE_EARLY", 0, 1, 0) == 1' in launcher
-    assert "const bool        state_early    = state_early_on && !keep_rs_t && s_d == state_d;" in launcher
