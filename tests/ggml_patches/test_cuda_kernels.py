@@ -615,6 +615,10 @@ def test_the_staged_gated_delta_net_compiles(patched, arch, tmp_path):
     wide = re.findall(name, out.stderr, re.S)
     assert sorted(w[:2] for w in wide) == [(a, b) for a in "01" for b in "01"], wide
     assert all(int(w[2]) <= 64 for w in wide), wide
+    # MC_GDN_ONE (patch 0056): the one-token kernel with and without the normalisation, within 80
+    # registers (its 384 blocks need 3 an SM)
+    one = re.findall(r"function '_Z10mc_gdn_oneILb(\d)E\w+'.*?Used (\d+) registers", out.stderr, re.S)
+    assert sorted(o[0] for o in one) == ["0", "1"] and all(int(o[1]) <= 80 for o in one), one
     source = (patched / "ggml" / "src" / "ggml-cuda" / "gated_delta_net.cu").read_text()
     assert 'ggml_cuda_mc_env_int("MC_GDN_WIDE", 0, 1, 1)' in source
     # MC_GDN_WIDE=2 (the chunked form, measured no faster than the staged kernel, dropped): not there
@@ -800,6 +804,7 @@ def test_the_early_trigger_is_read_once_and_comes_before_each_wait(patched):
         ("concat.cu", "static __global__ void __launch_bounds__(CUDA_CONCAT_BLOCK_SIZE) concat_cont("),
         ("concat.cu", "    mc_concat_narrow("),
         ("gated_delta_net.cu", "gated_delta_net_cuda(const float * q,"),
+        ("gated_delta_net.cu", "__global__ void __launch_bounds__(128) mc_gdn_one("),  # patch 0056
         ("rope.cu", "static __global__ void rope_multi("),
     )
     for name, head in kernels:
@@ -809,7 +814,7 @@ def test_the_early_trigger_is_read_once_and_comes_before_each_wait(patched):
     concat = sources["concat.cu"]
     assert concat.count("ggml_cuda_mc_early_trigger()") == 2  # the dim-0 launch and the narrow one
     assert concat.count("(x, y, dst, ne00, ne01, ne02, ne0, ne1, ne2, 0);") == 2  # dims 1 and 2, no PDL
-    assert sources["gated_delta_net.cu"].count("l2 ? l2->scale : 1.0f, ggml_cuda_mc_early_trigger());") == 4
+    assert sources["gated_delta_net.cu"].count("l2 ? l2->scale : 1.0f, ggml_cuda_mc_early_trigger());") == 5
     assert sources["rope.cu"].count("is_imrope, inplace,\n            ggml_cuda_mc_early_trigger());") == 2
 
 

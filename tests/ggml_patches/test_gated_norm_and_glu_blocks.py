@@ -1,6 +1,7 @@
 """Patches 0053 (MC_GATED_NORM: the Gated DeltaNet's gated RMS norm in one launch), 0054
 (MC_PREQ_GLU: the FFN's gated product writes ffn_down's q8_1 blocks) and 0055 (MC_PREQ=3: the RMS
-norms write their product's q8_1 blocks from 8 blocks a row). This machine has no GPU: the
+norms write their product's q8_1 blocks from 8 blocks a row) and 0056 (MC_GDN_ONE: a decode step's
+Gated DeltaNet recurrence on 4 columns a warp). This machine has no GPU: the
 kernels are compiled here (both targets, no spills), their statements checked against the source, and
 the two pieces of logic a wrong line would break silently are emulated: 0053's sum of squares in the
 order of the two stock kernels it replaces (so the output is their bits), 0054's runs of pieces and
@@ -302,3 +303,54 @@ def test_the_split_norm_writes_each_column_once_with_the_whole_rows_sum(patched)
     plan = c_body(main, "mc_preq_plan_t ggml_cuda_mc_preq_plan(")
     assert "plan.split = level_on == 3 ? 8 : 1;" in plan
     assert "ggml_cuda_mc_preq_plan(*ctx, cgraph, i + 2, mul, 2, 2);  // MC_PREQ=2 only" in main
+
+
+# ---- patch 0056: one token's recurrence on 4 columns a warp (MC_GDN_ONE) ----
+
+
+def test_the_one_token_kernel_covers_each_row_of_a_column_once():
+    """Lane r (of a column's 8) holds rows 32 j + 4 r + e (j, e < 4): every row of 128 exactly once,
+    each float4 load 16-byte aligned in a row of 128 floats."""
+    lpc, rpl = 8, 16
+    rows = sorted(j * 4 * lpc + 4 * r + e for r in range(lpc) for j in range(rpl // 4) for e in range(4))
+    assert rows == list(range(128))
+    assert all((j * 4 * lpc + 4 * r) % 4 == 0 for r in range(lpc) for j in range(rpl // 4))
+
+
+def test_the_one_token_kernel_is_the_stock_steps_arithmetic(patched):
+    """mc_gdn_one reads the state, q and k once after the PDL wait (triggering the next launch before it
+    under MC_EARLY_TRIGGER), normalises q and k as the staged kernels do, runs the delta rule's two
+    sums across a column's 8 lanes and writes the state in place of where it read it (each lane its own
+    values). The launcher takes it only for one token of a scalar gate at head size 128 with no
+    snapshots and 16-byte aligned rows; on by default since run CC (MC_GDN_ONE=0: the stock kernel)."""
+    source = (patched / "ggml/src/ggml-cuda/gated_delta_net.cu").read_text()
+    kernel = c_body(source, "__global__ void __launch_bounds__(128) mc_gdn_one(")
+    assert_statements(
+        kernel,
+        (
+            "ggml_cuda_pdl_sync();",
+            "const float4 x  = *(const float4 *) (curr_state + o);",
+            "const float sck = rsqrtf(ssk / S_v + l2_eps);",
+            "kr[i] = l2_scale * (sck * kr[i]);",
+            "const float delta = (v_col - g_val * kv) * beta_val;",
+            "s[i] = g_val * s[i] + kr[i] * delta;",
+            "dst[(sequence * H + h_idx) * S_v + col] = attn * scale;",
+            "*(float4 *) (state + j * 4 * LPC + 4 * r) = "
+            "make_float4(s[4 * j + 0], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]);",
+        ),
+    )
+    assert kernel.count("ggml_cuda_pdl_sync();") == 1 and "__syncthreads" not in kernel
+    assert kernel.index("ggml_cuda_pdl_lc();") < kernel.index("ggml_cuda_pdl_sync();")
+    # the stock kernel's arithmetic: the same update and output (stock: one column a warp)
+    stock = c_body(source, "gated_delta_net_cuda(const float * q,")
+    assert "float delta_col = (v_col - g_val * kv_col) * beta_val;" in stock
+    assert "s_shard[r]  = g_val * s_shard[r] + k_reg[r] * delta_col;" in stock
+    launcher = c_body(source, "static void launch_gated_delta_net(")
+    assert 'ggml_cuda_mc_env_int("MC_GDN_ONE", 0, 1, 1) == 1' in launcher
+    assert (
+        "const bool        one    = one_on && n_tokens == 1 && !keep_rs_t && !KDA && S_v == 128 && "
+        "warp_size == 32 &&" in launcher
+    )
+    aligned = "(((uintptr_t) s_d | (uintptr_t) state_d | (uintptr_t) q_d | (uintptr_t) k_d) & 15) == 0 &&"
+    assert aligned in launcher
+    assert launcher.index("if (one) {") < launcher.index("if (wide) {")
