@@ -971,7 +971,8 @@ def test_pre_quantized_activations_are_written_by_their_producers_and_taken_by_t
         norm, "static __global__ void mc_add_rms_norm_mul_f32("
     )
     assert norm.count("q8 = ncols % QK8_1 == 0 ? q8 : nullptr;") == 2
-    assert norm.count("1.0f, q8);") == 1  # the cached form alone; every other launch passes nullptr
+    # the cached form alone; every other launch passes nullptr (patch 0058: then the prefetch setting)
+    assert norm.count("1.0f, q8, ggml_cuda_mc_w_prefetch());") == 1
     # the products: the blocks where taken, else the quantization as before
     mmv = (cuda / "mc-mmv.cu").read_text()
     assert mmv.count("ggml_cuda_mc_preq_take(ctx, src1)") == 2
