@@ -82,3 +82,9 @@ def test_the_conv_step_is_fused_only_where_nothing_is_shared(patched):
     assert "const int conv = mc_try_conv_step(cuda_ctx, cgraph, i);" in main
     tests = (patched / "tests/test-backend-ops.cpp").read_text()
     assert "new test_mc_conv_step(10240, 3, false));  // rows overlapping, not in place: not fused" in tests
+    # the gates right after the SiLU, as in the model, so the fused launch takes them too
+    assert "new test_mc_conv_step(10240, 12, true, 48));" in tests
+    start = tests.index("struct test_mc_conv_step : public test_case {")
+    case = tests[start : tests.index("\n};\n", start)]
+    assert "ggml_tensor * g    = ggml_mul(ctx, ggml_softplus(ctx, ggml_add(ctx, alpha, dt)), a);" in case
+    assert case.index("ggml_silu(ctx, ggml_ssm_conv(ctx, cat, w))") < case.index("ggml_sigmoid(ctx, braw)")
