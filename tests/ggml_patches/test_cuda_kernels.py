@@ -804,7 +804,7 @@ def test_the_early_trigger_is_read_once_and_comes_before_each_wait(patched):
         ("concat.cu", "static __global__ void __launch_bounds__(CUDA_CONCAT_BLOCK_SIZE) concat_cont("),
         ("concat.cu", "    mc_concat_narrow("),
         ("gated_delta_net.cu", "gated_delta_net_cuda(const float * q,"),
-        ("gated_delta_net.cu", "__global__ void __launch_bounds__(128) mc_gdn_one("),  # patch 0056
+        ("gated_delta_net.cu", "__global__ void __launch_bounds__(256) mc_gdn_one("),  # patch 0056
         ("rope.cu", "static __global__ void rope_multi("),
     )
     for name, head in kernels:

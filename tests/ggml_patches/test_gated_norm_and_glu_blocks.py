@@ -324,7 +324,7 @@ def test_the_one_token_kernel_is_the_stock_steps_arithmetic(patched):
     values). The launcher takes it only for one token of a scalar gate at head size 128 with no
     snapshots and 16-byte aligned rows; on by default since run CC (MC_GDN_ONE=0: the stock kernel)."""
     source = (patched / "ggml/src/ggml-cuda/gated_delta_net.cu").read_text()
-    kernel = c_body(source, "__global__ void __launch_bounds__(128) mc_gdn_one(")
+    kernel = c_body(source, "__global__ void __launch_bounds__(256) mc_gdn_one(")
     assert_statements(
         kernel,
         (
@@ -354,3 +354,9 @@ def test_the_one_token_kernel_is_the_stock_steps_arithmetic(patched):
     aligned = "(((uintptr_t) s_d | (uintptr_t) state_d | (uintptr_t) q_d | (uintptr_t) k_d) & 15) == 0 &&"
     assert aligned in launcher
     assert launcher.index("if (one) {") < launcher.index("if (wide) {")
+    # MC_GDN_ONE_WARPS: 1, 2, 4 or 8 warps a block (4 columns each), any other value named and refused
+    assert 'ggml_cuda_mc_env_int("MC_GDN_ONE_WARPS", 1, 8, 4)' in launcher
+    assert "the values allowed are 1, 2, 4 and 8; using 4" in launcher
+    assert "dim3(H, n_seqs, 128 / (one_warps * MC_GDN_WIDE_CPW)),\n" in launcher
+    assert "dim3(32, one_warps, 1), 0, stream);" in launcher
+    assert "__global__ void __launch_bounds__(256) mc_gdn_one(" in source  # 8 warps fit the bound
