@@ -35,8 +35,9 @@
 
 namespace {
 
+// warnings, and the patches' one-line notices of what a setting did ("MC_FUSE_CONV_STEP: ...")
 void quiet_log(ggml_log_level level, const char * text, void *) {
-    if (level >= GGML_LOG_LEVEL_WARN) {
+    if (level >= GGML_LOG_LEVEL_WARN || strncmp(text, "MC_", 3) == 0) {
         fputs(text, stderr);
     }
 }

@@ -24,14 +24,16 @@ def test_the_conv_step_compiles_without_spills(patched, arch, tmp_path):
 
 
 def test_the_conv_step_reads_its_window_before_writing_and_sums_as_stock(patched):
-    """Thread c reads its channel's 3 state values and the token before writing the window and the
-    state's 3 updated values (so the update may be the rows it read, element for element); the sum
-    over the taps from tap 0 with the zero bias added, then SiLU: ssm_conv_f32's order at one token."""
+    """Thread c reads its channel's 3 state values and the token before writing the state's 3 updated
+    values and its output (so the update may be the rows it read and the output the token's memory,
+    element for element); the window itself is not written (its two readers are fused); the sum over
+    the taps from tap 0 with the zero bias added, then SiLU: ssm_conv_f32's order at one token."""
     source = (patched / "ggml/src/ggml-cuda/ssm-conv.cu").read_text()
     kernel = c_body(source, "static __global__ void mc_conv_step(")
     read, token = kernel.index("win[j] = st[j];"), kernel.index("win[NC - 1] = x[s * x_nb2 + c * x_nb1];")
-    window, update = kernel.index("wo[j] = win[j];"), kernel.index("so[j] = win[j + 1];")
-    assert kernel.index("ggml_cuda_pdl_sync();") < read < token < window < update
+    update, out = kernel.index("so[j] = win[j + 1];"), kernel.index("y[s * y_nb2 + c] = ")
+    assert kernel.index("ggml_cuda_pdl_sync();") < read < token < update < out
+    assert "window_out" not in kernel and "wo[j]" not in kernel
     assert kernel.index("ggml_cuda_pdl_lc();") < kernel.index("ggml_cuda_pdl_sync();")
     assert_statements(
         kernel,
@@ -71,12 +73,24 @@ def test_the_conv_step_is_fused_only_where_nothing_is_shared(patched):
     fuse = c_body(main, "static int mc_try_conv_step(")
     assert 'ggml_cuda_mc_env_int("MC_FUSE_CONV_STEP", 0, 1, 0) == 1' in fuse
     assert (
-        "const bool in_place = dst->data == state->data && state->nb[1] == (size_t) (nc - 1) * fs && "
+        "const bool in_place  = dst->data == state->data && state->nb[1] == (size_t) (nc - 1) * fs && "
         "state->nb[2] == dst->nb[1];"
     ) in fuse
+    # the window unwritten: fused only where the tail view and the convolution are its one readers
     assert (
-        "if (!(in_place || mc_disjoint(dst, state)) || !mc_disjoint(dst, x) || !mc_disjoint(dst, cat)" in fuse
+        "if (!ggml_node_has_n_uses(cgraph, i, 2) || tail_i < 0 || "
+        "ggml_node_get_use_count(cgraph, tail_i) != 1" in fuse
     )
+    # the SiLU's output on the token's memory element for element (what the allocator does in the
+    # model: tests/ggml_patches/test_conv_step_graph.py), otherwise apart
+    assert (
+        "const bool silu_on_x = silu->data == x->data && x->nb[1] == fs && silu->nb[2] == x->nb[2];" in fuse
+    )
+    assert "!(silu_on_x || mc_disjoint(silu, x))" in fuse
+    assert (
+        "if (!(in_place || mc_disjoint(dst, state)) || !mc_disjoint(dst, x) || !mc_disjoint(dst, w)" in fuse
+    )
+    assert "mc_disjoint(cat" not in fuse and "mc_disjoint(dst, cat)" not in fuse
     assert "apart = apart && mc_disjoint(out, t);" in fuse and "apart = apart && mc_disjoint(in, t);" in fuse
     assert fuse.index("if (apart) {") < fuse.index("last = gl;")
     assert "const int conv = mc_try_conv_step(cuda_ctx, cgraph, i);" in main
