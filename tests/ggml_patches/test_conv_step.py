@@ -91,6 +91,13 @@ def test_the_conv_step_is_fused_only_where_nothing_is_shared(patched):
         "if (!(in_place || mc_disjoint(dst, state)) || !mc_disjoint(dst, x) || !mc_disjoint(dst, w)" in fuse
     )
     assert "mc_disjoint(cat" not in fuse and "mc_disjoint(dst, cat)" not in fuse
+    # and on the GPU the token's columns stay allocated until the layer's recurrence (an allocation
+    # dependency, planned before the buffers), so the SiLU's output never lands across part of them
+    deps = c_body(main, "static void mc_conv_step_alloc_deps(")
+    assert "params->add_alloc_dep(params->user_data, x, until);" in deps
+    assert "if (cgraph->nodes[k]->op == GGML_OP_GATED_DELTA_NET) {" in deps
+    optimize = c_body(main, "static void ggml_backend_cuda_graph_optimize(")
+    assert "mc_conv_step_alloc_deps(cgraph, params);" in optimize
     assert "apart = apart && mc_disjoint(out, t);" in fuse and "apart = apart && mc_disjoint(in, t);" in fuse
     assert fuse.index("if (apart) {") < fuse.index("last = gl;")
     assert "const int conv = mc_try_conv_step(cuda_ctx, cgraph, i);" in main
