@@ -1,4 +1,4 @@
-"""Patch 0057 (MC_FUSE_CONV_STEP, off by default until measured): a Gated DeltaNet layer's one-token
+"""Patch 0057 (MC_FUSE_CONV_STEP, on by default since run CF): a Gated DeltaNet layer's one-token
 convolution step (CONCAT of the conv state and the token, the CPY of the window's last 3 columns back
 into the cache's rows, SSM_CONV, SiLU) and the layer's gates in one launch. This machine has no GPU:
 the kernel is compiled for both targets (no spills), its statements are checked against the stock
@@ -66,12 +66,12 @@ def test_the_conv_step_reads_its_window_before_writing_and_sums_as_stock(patched
 
 
 def test_the_conv_step_is_fused_only_where_nothing_is_shared(patched):
-    """Off by default; the state's update in place only element for element (the rows read, the same
-    pitch), otherwise apart from everything; the gates join only where their inputs and outputs touch
-    nothing the conv step writes or reads."""
+    """On by default; the state's update in place only element for element (the rows read, the same
+    pitch) and the SiLU's output on the token likewise, otherwise apart; the gates join only where their
+    inputs and outputs touch nothing the conv step writes or reads."""
     main = (patched / "ggml/src/ggml-cuda/ggml-cuda.cu").read_text()
     fuse = c_body(main, "static int mc_try_conv_step(")
-    assert 'ggml_cuda_mc_env_int("MC_FUSE_CONV_STEP", 0, 1, 0) == 1' in fuse
+    assert 'ggml_cuda_mc_env_int("MC_FUSE_CONV_STEP", 0, 1, 1) == 1' in fuse
     assert (
         "const bool in_place  = dst->data == state->data && state->nb[1] == (size_t) (nc - 1) * fs && "
         "state->nb[2] == dst->nb[1];"

@@ -1,4 +1,4 @@
-"""Patch 0058 (MC_W_PREFETCH, off by default until measured): the small kernels of a decode step that
+"""Patch 0058 (MC_W_PREFETCH, on by default since runs CD / CE): the small kernels of a decode step that
 read a model weight ask for it into L2 before their PDL wait. A request into L2 is a hint (the loads
 after the wait are unchanged), so the checks here are where the requests stand (before the wait, under
 the setting, on the ranges the kernel then reads) and that every launch passes the setting; the GPU run
@@ -40,7 +40,7 @@ def test_the_setting_is_read_once_and_every_launch_passes_it(patched):
     cuda = patched / "ggml/src/ggml-cuda"
     header = (cuda / "mc-mmv.cuh").read_text()
     setting = c_body(header, "static inline int ggml_cuda_mc_w_prefetch() {")
-    assert 'ggml_cuda_mc_env_int("MC_W_PREFETCH", 0, 1, 0)' in setting
+    assert 'ggml_cuda_mc_env_int("MC_W_PREFETCH", 0, 1, 1)' in setting
     helper = c_body(header, "static __device__ __forceinline__ void ggml_cuda_mc_prefetch_l2(")
     assert "if ((((uintptr_t) p) | (uintptr_t) bytes) % 16 == 0 && bytes > 0) {" in helper
     assert 'asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"' in helper
