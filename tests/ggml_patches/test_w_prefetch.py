@@ -16,7 +16,7 @@ REQUESTS = (
      "ggml_cuda_mc_prefetch_l2(mul, (int) (mul_ncols_packed.z * sizeof(float)));"),
     ("norm.cu", "static __global__ void mc_add_rms_norm_mul_f32(",
      "ggml_cuda_mc_prefetch_l2(w, (int) (ncols * sizeof(float)));"),
-    ("rope.cu", "static __global__ void rms_norm_mul_rope_f32(",
+    ("rope.cu", "static __device__ __forceinline__ void rms_norm_mul_rope_row(",  # 0059: the row's function
      "ggml_cuda_mc_prefetch_l2(mul, (int) (mul_ncols_packed.z * sizeof(float)));"),
     ("ssm-conv.cu", "static __global__ void ssm_conv_f32(",
      "ggml_cuda_mc_prefetch_l2(w_block, (int) (split_d_inner * src1_nb1));"),
@@ -61,6 +61,8 @@ def test_the_setting_is_read_once_and_every_launch_passes_it(patched):
     )
     rope = sources["rope.cu"]
     assert rope.count("is_neox, sections, mrope, ggml_cuda_mc_w_prefetch());") == 4
+    attn_pro = c_body(rope, "void ggml_cuda_op_mc_attn_pro(")  # patch 0059
+    assert "const int wpf = ggml_cuda_mc_w_prefetch();" in attn_pro
     conv = sources["ssm-conv.cu"]
     launch = "n_t,\n" + " " * 72 + "ggml_cuda_mc_w_prefetch());"
     assert conv.count(launch) == 1
