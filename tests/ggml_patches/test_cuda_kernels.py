@@ -863,10 +863,11 @@ def test_the_norm_rope_fusion_takes_m_rope_behind_a_read_once_setting(patched):
     assert rope.count("mc_rope_multi_theta_base(") == 3  # the helper, rope_multi, the fused kernel
     multi = c_body(rope, "static __global__ void rope_multi(")
     assert "sections.v[0] + sections.v[1]" not in multi  # the helper's statements alone
-    fused = c_body(rope, "static __global__ void rms_norm_mul_rope_f32(")
-    assert "mc_rope_multi_theta_base(pos, channel, gridDim.y, i0, theta_scale, sections," in fused
-    op = c_body(rope, "void ggml_cuda_op_rms_norm_mul_rope_fused(")
-    assert "const bool is_neox = (mode & GGML_ROPE_TYPE_NEOX) || mrope != 0;" in op
+    # the fused kernel's row (patch 0059 made it a device function, with the kernel's channel count)
+    fused = c_body(rope, "static __device__ __forceinline__ void rms_norm_mul_rope_row(")
+    assert "mc_rope_multi_theta_base(pos, channel, nchannels, i0, theta_scale, sections," in fused
+    op = c_body(rope, "static mc_norm_rope_job mc_norm_rope_job_make(")  # its arguments (patch 0059)
+    assert "j.is_neox = (mode & GGML_ROPE_TYPE_NEOX) || j.mrope != 0;" in op
     main = (cuda / "ggml-cuda.cu").read_text()
     set_rows = c_body(main, "static bool ggml_cuda_should_fuse_rope_set_rows(")
     assert "!(after_norm && ggml_cuda_mc_norm_rope_multi(mode))" in set_rows
