@@ -537,7 +537,9 @@ def test_the_cached_rms_norm_compiles(patched, arch, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     # (patch 0055's split form, 8 blocks a row, is the cached 1,024-thread form's second instance)
     forms = {r"_Z12rms_norm_f32ILi(\d+)ELb1ELb0ELb0ELb1ELi\d+E": ["1024", "1024", "256"]}
-    forms[r"_Z23mc_add_rms_norm_mul_f32ILi(\d+ELb\d)E"] = ["1024ELb0", "1024ELb1", "256ELb0", "256ELb1"]
+    # (patch 0061's split form, 8 blocks a row, the 1,024-thread reducing form's second instance)
+    forms[r"_Z23mc_add_rms_norm_mul_f32ILi(\d+ELb\d)E"] = ["1024ELb0", "1024ELb1", "1024ELb1"]
+    forms[r"_Z23mc_add_rms_norm_mul_f32ILi(\d+ELb\d)E"] += ["256ELb0", "256ELb1"]
     for kernel, expected in forms.items():
         found = re.findall(f"entry function '{kernel}\\w+'.*?Used (\\d+) registers", out.stderr, re.S)
         assert sorted(b for b, _ in found) == expected, (kernel, found)
@@ -564,7 +566,7 @@ def test_the_norm_probe_is_a_read_once_diagnostic_of_the_norms_between_products(
     assert "const int probe = mc_probe_norm();" in body
     assert "if (probe != 1) {" in body
     # (patch 0052 passes its pre-quantized blocks, MC_PREQ, to both calls)
-    assert "ggml_cuda_mc_add_rms_norm_mul(*ctx, add, norm, mul, probe != 2, pq.q8)" in body
+    assert "ggml_cuda_mc_add_rms_norm_mul(*ctx, add, norm, mul, probe != 2, pq.q8, split)" in body
     stock = main.index("ggml_cuda_op_rms_norm_fused(*cuda_ctx, node, cgraph->nodes[i + 1], mc_pq.q8, mc_pq")
     skip = "if (mc_probe_norm() == 3 && ggml_nrows(node) == 1 && node->ne[0] >= 1024) {"
     assert skip in main[stock - 450 : stock]
@@ -949,13 +951,20 @@ def test_pre_quantized_activations_are_written_by_their_producers_and_taken_by_t
     )
     # producers: the plan's blocks passed in, the record committed only where the kernel wrote them
     for call, level in (
-        ("ggml_cuda_op_unary_mul(*cuda_ctx, node, cgraph->nodes[i + 1], mc_pq.q8)", 1),
-        ("ggml_cuda_op_rms_norm_fused(*cuda_ctx, node, cgraph->nodes[i + 1], mc_pq.q8, mc_pq.split)", 2),
-        ("ggml_cuda_mc_add_rms_norm_mul(*ctx, add, norm, mul, probe != 2, pq.q8)", 2),
+        ("ggml_cuda_op_unary_mul(*cuda_ctx, node, cgraph->nodes[i + 1], mc_pq.q8)", ", 1);"),
+        (
+            "ggml_cuda_op_rms_norm_fused(*cuda_ctx, node, cgraph->nodes[i + 1], mc_pq.q8, mc_pq.split)",
+            ", 2);",
+        ),
+        # (patch 0061: level 2, or up to 3 where the add + norm is split over 8 blocks a row)
+        (
+            "ggml_cuda_mc_add_rms_norm_mul(*ctx, add, norm, mul, probe != 2, pq.q8, split)",
+            ", 2, split ? 3 : 2);",
+        ),
     ):
         at = main.index(call)
         before = main[main.rindex("\n", 0, main.rindex("\n", 0, at)) : at]
-        assert f", {level});" in before, call
+        assert level in before, call
         assert "ggml_cuda_mc_preq_commit(" in main[at : at + 200], call
     loop = main[main.index("ggml_cuda_mc_next_weights_plan(cgraph);") :]
     assert loop.index("cuda_ctx->mc_preq_data = nullptr;") < loop.index("cuda_ctx->mc_node = i;")

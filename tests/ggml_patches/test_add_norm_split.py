@@ -1,0 +1,46 @@
+"""Patch 0061 (MC_ADD_NORM_SPLIT, off by default until measured): the residual add + RMS norm x weight (64
+a step of the 27B: after each layer's output projection and after each FFN) runs on one block a row,
+5.14 us in run CC's trace after the GDN output projection, and does not write the next product's q8_1
+blocks (patch 0055 spread the plain norm's over 8 blocks a row, +0.8 to +1.1%; the add + norm stayed one
+block because it may write its sum over its input). With the setting 8 blocks a row each compute the
+whole row's sum and squares as the one block does (the same bits) and write an eighth of the sum, the
+output and its q8_1 blocks; no output may then alias an input, which an allocation dependency ensures
+and the fusion's guard checks. The GPU run compares test-backend-ops MC_ADD_RMS_NORM_MUL and
+MC_NORM_MUL_MAT (the add, the norm and the product reading its blocks) under it, and the logits."""
+
+from __future__ import annotations
+
+from tests.ggml_patches.test_cuda_kernels import c_body
+
+
+def test_each_block_sums_the_whole_row_and_writes_its_eighth(patched):
+    norm = (patched / "ggml/src/ggml-cuda/norm.cu").read_text()
+    kernel = c_body(norm, "static __global__ void mc_add_rms_norm_mul_f32(")
+    assert "const int64_t row  = blockIdx.x / split;" in kernel
+    # every block: the whole row's sum and squares, in the one block's order
+    read = kernel.index("xv[k] = a[col] + b[col];")
+    assert kernel.index("tmp += xv[k] * xv[k];") > read
+    assert "if (split == 1 || col / (ncols / split) == part) {\n                sum[col] = xv[k];" in kernel
+    assert "if (col < ncols && (split == 1 || col / (ncols / split) == part)) {" in kernel
+    reduce = kernel.index("tmp = block_reduce<block_reduce_method::SUM, block_size>(tmp, s_sum);")
+    assert reduce < kernel.index("dst[col]      = v;")
+    fits = c_body(norm, "bool ggml_cuda_mc_add_norm_split_fits(")
+    assert "add->ne[0] % (QK8_1 * MC_NORM_SPLIT) == 0" in fits  # an eighth of a row: whole warps
+    host = c_body(norm, "bool ggml_cuda_mc_add_rms_norm_mul(")
+    assert "split           ? mc_add_rms_norm_mul_f32<1024, true, MC_NORM_SPLIT> :" in host
+    assert "ggml_nrows(add) * (split ? MC_NORM_SPLIT : 1)" in host
+
+
+def test_the_split_is_taken_only_where_no_output_is_an_input(patched):
+    main = (patched / "ggml/src/ggml-cuda/ggml-cuda.cu").read_text()
+    setting = c_body(main, "static bool mc_add_norm_split_on(")
+    assert 'ggml_cuda_mc_env_int("MC_ADD_NORM_SPLIT", 0, 1, 0) == 1' in setting
+    fuse = c_body(main, "static int mc_try_add_rms_norm(")
+    apart = "mc_disjoint(add, x0) && mc_disjoint(add, x1) && mc_disjoint(mul, x0) && mc_disjoint(mul, x1);"
+    assert apart in fuse
+    # the product's blocks at MC_PREQ=3 only when split (the one-block form writes them at 2 alone)
+    assert "ggml_cuda_mc_preq_plan(*ctx, cgraph, i + 2, mul, 2, split ? 3 : 2);" in fuse
+    deps = c_body(main, "static void mc_add_norm_alloc_deps(")
+    assert "params->add_alloc_dep(params->user_data, x, mul);" in deps
+    optimize = c_body(main, "static void ggml_backend_cuda_graph_optimize(")
+    assert "mc_add_norm_alloc_deps(cgraph, params);" in optimize
