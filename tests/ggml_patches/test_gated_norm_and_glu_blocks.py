@@ -275,7 +275,8 @@ def test_the_split_norm_writes_each_column_once_with_the_whole_rows_sum(patched)
     """Each of the split blocks computes the row's sum of squares as the single block does (the loads
     and the block reduction are not touched) and writes the columns of its eighth (whole warps, so
     whole q8_1 blocks); the split applies only where blocks are written, at MC_PREQ=3, to the norm x
-    weight and not to the residual add + norm (which may write its sum over its input)."""
+    weight and not to the residual add + norm (which may write its sum over its input; patch 0061's
+    setting splits that one where no output is an input)."""
     cuda = patched / "ggml/src/ggml-cuda"
     norm = (cuda / "norm.cu").read_text()
     kernel = c_body(norm, "static __global__ void rms_norm_f32(")
@@ -302,7 +303,8 @@ def test_the_split_norm_writes_each_column_once_with_the_whole_rows_sum(patched)
     main = (cuda / "ggml-cuda.cu").read_text()
     plan = c_body(main, "mc_preq_plan_t ggml_cuda_mc_preq_plan(")
     assert "plan.split = level_on == 3 ? 8 : 1;" in plan
-    assert "ggml_cuda_mc_preq_plan(*ctx, cgraph, i + 2, mul, 2, 2);  // MC_PREQ=2 only" in main
+    # the residual add + norm: at MC_PREQ=2 only, unless patch 0061 splits it (test_add_norm_split.py)
+    assert "ggml_cuda_mc_preq_plan(*ctx, cgraph, i + 2, mul, 2, split ? 3 : 2);  // 2 only unsplit" in main
 
 
 # ---- patch 0056: one token's recurrence on 4 columns a warp (MC_GDN_ONE) ----
