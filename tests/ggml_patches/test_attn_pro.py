@@ -8,19 +8,14 @@ with it off, and its notices say whether the model's graph fused."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
-from tests.ggml_patches.test_cuda_kernels import c_body, compile_cuda
+from tests.ggml_patches.test_cuda_kernels import c_body, kernel_reports
 
 
 @pytest.mark.parametrize("arch", ["90", "120"])
 def test_the_prologue_compiles_without_spills(patched, arch, tmp_path):
-    out = compile_cuda(patched, "rope.cu", arch, tmp_path, "-Xptxas", "-v")
-    assert out.returncode == 0, out.stderr[-3000:]
-    name = r"function '_Z11mc_attn_proILb[01]E6__half\w+'.*?(\d+) bytes spill stores.*?Used (\d+) registers"
-    found = re.findall(name, out.stderr, re.S)
+    found = kernel_reports(patched, "rope.cu", arch, tmp_path, r"_Z11mc_attn_proILb[01]E6__half\w+")
     assert len(found) == 2 and all(s == "0" and int(r) <= 64 for s, r in found), found
 
 

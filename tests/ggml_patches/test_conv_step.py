@@ -7,19 +7,14 @@ run compares it with the CPU backend (test-backend-ops MC_CONV_STEP) and the log
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
-from tests.ggml_patches.test_cuda_kernels import assert_statements, c_body, compile_cuda
+from tests.ggml_patches.test_cuda_kernels import assert_statements, c_body, kernel_reports
 
 
 @pytest.mark.parametrize("arch", ["90", "120"])
 def test_the_conv_step_compiles_without_spills(patched, arch, tmp_path):
-    out = compile_cuda(patched, "ssm-conv.cu", arch, tmp_path, "-Xptxas", "-v")
-    assert out.returncode == 0, out.stderr[-3000:]
-    name = r"function '_Z12mc_conv_stepILi4EE\w+'.*?(\d+) bytes spill stores.*?Used (\d+) registers"
-    found = re.findall(name, out.stderr, re.S)
+    found = kernel_reports(patched, "ssm-conv.cu", arch, tmp_path, r"_Z12mc_conv_stepILi4EE\w+")
     assert len(found) == 1 and found[0][0] == "0" and int(found[0][1]) <= 64, found
 
 

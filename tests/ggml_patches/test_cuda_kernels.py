@@ -507,6 +507,15 @@ KERNEL_HEAD = (
 )
 
 
+def kernel_reports(patched: Path, name: str, arch: str, out_dir: Path, mangled: str) -> list[tuple[str, str]]:
+    """Compile ggml-cuda/NAME for sm_ARCH with ptxas -v; (spill stores, registers) of each entry function
+    whose mangled name matches the regex MANGLED."""
+    out = compile_cuda(patched, name, arch, out_dir, "-Xptxas", "-v")
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = rf"function '{mangled}'.*?(\d+) bytes spill stores.*?Used (\d+) registers"
+    return re.findall(report, out.stderr, re.S)
+
+
 def c_body(source: str, head: str) -> str:
     """The text of the C++ function (or kernel) whose definition starts with head, up to its closing
     brace at the start of a line."""
