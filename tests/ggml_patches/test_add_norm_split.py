@@ -1,4 +1,4 @@
-"""Patch 0061 (MC_ADD_NORM_SPLIT, off by default until measured): the residual add + RMS norm x weight (64
+"""Patch 0061 (MC_ADD_NORM_SPLIT, on by default since run CG): the residual add + RMS norm x weight (64
 a step of the 27B: after each layer's output projection and after each FFN) runs on one block a row,
 5.14 us in run CC's trace after the GDN output projection, and does not write the next product's q8_1
 blocks (patch 0055 spread the plain norm's over 8 blocks a row, +0.8 to +1.1%; the add + norm stayed one
@@ -34,7 +34,7 @@ def test_each_block_sums_the_whole_row_and_writes_its_eighth(patched):
 def test_the_split_is_taken_only_where_no_output_is_an_input(patched):
     main = (patched / "ggml/src/ggml-cuda/ggml-cuda.cu").read_text()
     setting = c_body(main, "static bool mc_add_norm_split_on(")
-    assert 'ggml_cuda_mc_env_int("MC_ADD_NORM_SPLIT", 0, 1, 0) == 1' in setting
+    assert 'ggml_cuda_mc_env_int("MC_ADD_NORM_SPLIT", 0, 1, 1) == 1' in setting
     fuse = c_body(main, "static int mc_try_add_rms_norm(")
     apart = "mc_disjoint(add, x0) && mc_disjoint(add, x1) && mc_disjoint(mul, x0) && mc_disjoint(mul, x1);"
     assert apart in fuse

@@ -1,4 +1,4 @@
-"""Patch 0059 (MC_FUSE_ATTN_PRO, off by default until measured): an attention layer's prologue (q's RMS norm
+"""Patch 0059 (MC_FUSE_ATTN_PRO, on by default since run CG): an attention layer's prologue (q's RMS norm
 x weight + M-RoPE, k's with its f16 cache store, v's cache store) in one launch where three ran. This
 machine has no GPU: the kernel is compiled for both targets (no spills), its parts are checked to be the
 stock fused kernel's row function and k_set_rows' conversion (the same bits), and the fusion's guards
@@ -52,12 +52,12 @@ def test_the_parts_are_the_stock_kernels_statements(patched):
 
 
 def test_the_prologue_is_fused_only_where_its_parts_share_nothing(patched):
-    """Off by default; the q chain as stock's three-node fusion (not its five-node one), then k's
+    """On by default; the q chain as stock's three-node fusion (not its five-node one), then k's
     five-node chain and v's store in either order with nothing but views between; what each part writes
     apart from what the others read and from each other; a notice either way."""
     main = (patched / "ggml/src/ggml-cuda/ggml-cuda.cu").read_text()
     fuse = c_body(main, "static int mc_try_attn_pro(")
-    assert 'ggml_cuda_mc_env_int("MC_FUSE_ATTN_PRO", 0, 1, 0) == 1' in fuse
+    assert 'ggml_cuda_mc_env_int("MC_FUSE_ATTN_PRO", 0, 1, 1) == 1' in fuse
     assert "j    = mc_next_real_node(cgraph, j + 4);" in fuse and "} else {\n            break;" in fuse
     assert "free = free && mc_disjoint(qr, in) && mc_disjoint(vs, in);" in fuse  # k's reads
     assert "free = free && mc_disjoint(qr, in) && mc_disjoint(ks, in);" in fuse  # v's reads

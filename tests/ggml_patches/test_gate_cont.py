@@ -1,4 +1,4 @@
-"""Patch 0060 (MC_FUSE_GATE_CONT, off by default until measured): qwen35's attention gate is every other 256
+"""Patch 0060 (MC_FUSE_GATE_CONT, on by default since run CG): qwen35's attention gate is every other 256
 values of the joint q + gate projection, made contiguous by a CONT (a launch, 0.83 us in run CC's trace)
 before the fused sigmoid x attention (the UNARY + MUL kernel, which with MC_PREQ writes the output
 projection's q8_1 blocks). The fused kernel already takes a row pitch for its unary operand, so it reads
@@ -33,7 +33,7 @@ def test_the_fused_kernel_reads_the_view_s_rows_at_their_pitch(patched):
 def test_the_gate_is_fused_only_where_the_cont_has_one_reader_and_nothing_overlaps(patched):
     main = (patched / "ggml/src/ggml-cuda/ggml-cuda.cu").read_text()
     fuse = c_body(main, "static int mc_try_gate_cont(")
-    assert 'ggml_cuda_mc_env_int("MC_FUSE_GATE_CONT", 0, 1, 0) == 1' in fuse
+    assert 'ggml_cuda_mc_env_int("MC_FUSE_GATE_CONT", 0, 1, 1) == 1' in fuse
     assert "!ggml_node_has_n_uses(cgraph, i, 1)" in fuse
     assert "const bool free = mc_disjoint(mul, x) && mc_same_or_disjoint(mul, other);" in fuse
     assert fuse.index("if (!free) {") < fuse.index("ggml_cuda_mc_gate_cont(*ctx, x, other, mul,")
