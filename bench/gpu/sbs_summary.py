@@ -179,7 +179,8 @@ def stall_reasons(metrics: dict) -> list:
 
 def compare_logits(state: Path, build: str = "patched", ref: str = "stock") -> dict | None:
     """Teacher-forced logits of two builds or settings (mc_gpu_bench logits), build against ref:
-    relative L2 error per row and whether the argmax agrees. Rows: a 64-token prefill's last, 8
+    relative L2 error per row, whether the argmax agrees and whether the files are the same bytes (a
+    patch that claims the same bits). Rows: a 64-token prefill's last, 8
     single-token steps, 16 rows of one 16-token step, then 12 sequences: their 32-token prompts' last
     and 6 steps of one token each."""
     a, b = state / f"{ref}-logits.bin", state / f"{build}-logits.bin"
@@ -211,6 +212,7 @@ def compare_logits(state: Path, build: str = "patched", ref: str = "stock") -> d
         "rel_l2_median": float(np.median(rel)),
         "argmax_agree": int((x.argmax(1) == y.argmax(1)).sum()),
         "finite": bool(np.isfinite(y).all()),
+        "same_bytes": a.read_bytes() == b.read_bytes(),
     }
 
 

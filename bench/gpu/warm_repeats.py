@@ -18,8 +18,11 @@ verify:DEPTH:SEQS:K[,K...] (ms of one decode of K tokens for each of SEQS sequen
 tg:DEPTH[,DEPTH...]:N (tokens/s of single-stream decode). A verify measure that has K = 1 beside
 larger K also gives each larger K's cost over one token's from the same process
 (verify_dD_sS_kK_over_k1: the issue's verify16 / verify1 figure for K = 16, draw by draw). Writes JSON
-(every draw, mean / median / min / max, and each setting's mean against the first setting's) and
-prints a table."""
+(every draw, mean / median / min / max, and each setting's mean against the first setting's) after
+every round, so a call cut short keeps the rounds it finished (run CH's eight rounds ran past the
+call's timeout and left nothing), and prints a table. --deadline SECONDS starts a round only while
+the longest round so far still fits before it (the JSON says how many rounds ran and why it stopped);
+a program that fails after some rounds leaves those rounds in the JSON with its error."""
 
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 VERIFY_KEY = re.compile(r"verify_d(\d+)_s(\d+)_k(\d+)_ms")
@@ -149,9 +153,14 @@ def main() -> None:
     ap.add_argument("--setting", action="append", required=True, help="NAME=VAR=VALUE[,VAR=VALUE...]")
     ap.add_argument("--measure", action="append", required=True, help="verify:DEPTH:SEQS:KS or tg:DEPTHS:N")
     ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument(
+        "--deadline", type=float, help="seconds from the start: no round starts that would end after it"
+    )
     a = ap.parse_args()
     if a.rounds < 1:
         raise SystemExit("--rounds: at least 1")
+    if a.deadline is not None and a.deadline <= 0:
+        raise SystemExit(f"--deadline {a.deadline}: expected seconds greater than 0")
     if not os.access(a.bench, os.X_OK):
         raise SystemExit(f"--bench {a.bench}: no such program (bench/gpu/side_by_side.sh builds it)")
     settings = [parse_setting(s) for s in a.setting]
@@ -160,16 +169,49 @@ def main() -> None:
         raise SystemExit(f"--setting: names must differ, got {names}")
     measures = [parse_measure(m) for m in a.measure]
     draws: dict[str, dict[str, list[float]]] = {n: {} for n in names}
-    order_log = []
+    order_log: list[list[str]] = []
+    t0 = time.monotonic()
+    longest = 0.0
+    stopped = None
     for r in range(a.rounds):
+        used = time.monotonic() - t0
+        if a.deadline is not None and r > 0 and used + longest > a.deadline:
+            stopped = (
+                f"deadline: {used:.0f} s used, a round takes up to {longest:.0f} s, --deadline {a.deadline:g}"
+            )
+            print(f"round {r + 1}/{a.rounds} not started ({stopped})", file=sys.stderr, flush=True)
+            break
         order = settings[r % len(settings) :] + settings[: r % len(settings)]
+        start = time.monotonic()
+        round_draws: dict[str, dict[str, float]] = {}
+        try:
+            for name, env in order:
+                for m in measures:
+                    round_draws.setdefault(name, {}).update(run_one(a.bench, a.model, m, env))
+        except SystemExit as e:  # the program failed: the finished rounds stay in the JSON
+            if order_log:
+                write_result(a, settings, order_log, draws, f"round {r + 1}: {e}")
+            raise
+        for name, figs in round_draws.items():
+            for key, value in figs.items():
+                draws[name].setdefault(key, []).append(value)
         order_log.append([n for n, _ in order])
-        for name, env in order:
-            for m in measures:
-                for key, value in run_one(a.bench, a.model, m, env).items():
-                    draws[name].setdefault(key, []).append(value)
+        longest = max(longest, time.monotonic() - start)
+        write_result(a, settings, order_log, draws, None)
         print(f"round {r + 1}/{a.rounds} done", file=sys.stderr, flush=True)
-    summary = summarize(draws, names[0])
+    summary = write_result(a, settings, order_log, draws, stopped)
+    print_table(summary, names)
+
+
+def write_result(
+    a: argparse.Namespace,
+    settings: list[tuple[str, dict[str, str]]],
+    order_log: list[list[str]],
+    draws: dict[str, dict[str, list[float]]],
+    stopped: str | None,
+) -> dict:
+    """The JSON of the rounds finished so far (written to a temporary name, then renamed); its summary."""
+    summary = summarize(draws, settings[0][0])
     result = {
         "kind": "warm_repeats",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -178,6 +220,8 @@ def main() -> None:
         "model": str(a.model),
         "settings": {n: env for n, env in settings},
         "rounds": a.rounds,
+        "rounds_done": len(order_log),
+        "stopped": stopped,
         "order": order_log,
         "draws": draws,
         "summary": summary,
@@ -185,7 +229,7 @@ def main() -> None:
     tmp = a.json.with_name(a.json.name + ".tmp")
     tmp.write_text(json.dumps(result, indent=1) + "\n")
     tmp.replace(a.json)
-    print_table(summary, names)
+    return summary
 
 
 if __name__ == "__main__":

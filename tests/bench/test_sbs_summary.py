@@ -224,4 +224,5 @@ def test_logits_of_a_run_that_stopped_are_reported_not_compared(tmp_path):
     assert "holds 8 floats against 24" in res["logits_patched_vq_vs_patched"]["error"]
     assert res["logits_patched_vr_vs_patched"]["argmax_agree"] == rows
     assert res["logits_patched_vr_vs_patched"]["rel_l2_max"] == 0.0
+    assert res["logits_patched_vr_vs_patched"]["same_bytes"] is True
     assert res["tg_tok_s_patched"] == 120.0

@@ -14,13 +14,17 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu" / "warm_repeats.py"
 
 FAKE = """#!{python}
-import json, os, sys
+import json, os, sys, time
 log = os.environ["FAKE_LOG"]
 with open(log, "a") as f:
     f.write(os.environ.get("MC_X", "-") + " " + " ".join(sys.argv[1:]) + "\\n")
 with open(log + ".lib", "a") as f:
     f.write(os.environ.get("LD_LIBRARY_PATH", "") + "\\n")
 scale = float(os.environ.get("MC_X", "1"))
+calls = sum(1 for _ in open(log))
+if calls > int(os.environ.get("FAKE_FAIL_AFTER", "1000")):
+    sys.exit("broken after " + str(calls - 1) + " calls")
+time.sleep(float(os.environ.get("FAKE_SLEEP", "0")))
 print("loading...")
 if sys.argv[1] == "verify":
     for k in sys.argv[5].split(","):
@@ -43,8 +47,8 @@ def fake_bench(tmp_path: Path) -> Path:
     return bench
 
 
-def run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {"FAKE_LOG": str(tmp_path / "log"), "PATH": "/usr/bin:/bin"}
+def run(tmp_path: Path, *args: str, **fake: str) -> subprocess.CompletedProcess:
+    env = {"FAKE_LOG": str(tmp_path / "log"), "PATH": "/usr/bin:/bin", **fake}
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env)
 
 
@@ -139,3 +143,45 @@ def test_a_setting_can_run_another_builds_libraries(tmp_path):
     assert res.returncode == 0, res.stderr
     seen = sorted((tmp_path / "log.lib").read_text().split())
     assert seen == sorted([str(tmp_path), "/builds/other"]), seen
+
+
+def test_the_json_keeps_the_rounds_finished_when_the_program_fails_later(tmp_path):
+    """Written after every round: a program failing in round 3 (after 4 calls: 2 settings x 1
+    measure x 2 rounds) leaves rounds 1-2 in the JSON with the error, and the exit is an error."""
+    bench = fake_bench(tmp_path)
+    out = tmp_path / "w.json"
+    res = run(
+        tmp_path,
+        *("--bench", str(bench), "--model", "m", "--rounds", "5", "--json", str(out)),
+        *("--setting", "a=", "--setting", "b=MC_X=2", "--measure", "tg:0:64"),
+        FAKE_FAIL_AFTER="4",
+    )
+    assert res.returncode != 0 and "broken after 4 calls" in res.stderr
+    data = json.loads(out.read_text())
+    assert data["rounds_done"] == 2 and data["order"] == [["a", "b"], ["b", "a"]]
+    assert data["draws"]["a"]["tg_d0_tok_s"] == [150.0, 150.0] and len(data["draws"]["b"]["tg_d0_tok_s"]) == 2
+    assert data["stopped"].startswith("round 3:") and "broken after 4 calls" in data["stopped"]
+    assert data["summary"]["b"]["tg_d0_tok_s"]["vs_first"] == 0.5
+    assert not (tmp_path / "w.json.tmp").exists()
+
+
+def test_a_deadline_starts_no_round_that_would_end_after_it(tmp_path):
+    """Each call sleeps 0.4 s, a round (2 calls) ~0.8-1 s: with --deadline 2.5 the third round would
+    end past it, so two rounds run, the JSON says why it stopped, and the table is printed."""
+    bench = fake_bench(tmp_path)
+    out = tmp_path / "w.json"
+    res = run(
+        tmp_path,
+        *("--bench", str(bench), "--model", "m", "--rounds", "6", "--json", str(out), "--deadline", "2.5"),
+        *("--setting", "a=", "--setting", "b=MC_X=2", "--measure", "tg:0:64"),
+        FAKE_SLEEP="0.4",
+    )
+    assert res.returncode == 0, res.stderr
+    data = json.loads(out.read_text())
+    assert 1 <= data["rounds_done"] <= 3 and data["rounds_done"] < 6
+    assert data["stopped"].startswith("deadline:") and "--deadline 2.5" in data["stopped"]
+    assert "not started" in res.stderr and "tg_d0_tok_s" in res.stdout
+    assert len((tmp_path / "log").read_text().splitlines()) == 2 * data["rounds_done"]
+    res = run(tmp_path, "--bench", str(bench), "--model", "m", "--json", str(out), "--deadline", "0",
+              "--setting", "a=", "--measure", "tg:0:64")  # fmt: skip
+    assert res.returncode != 0 and "--deadline 0" in res.stderr

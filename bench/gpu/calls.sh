@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# The GPU machine's calls as named plans, kept in the repository: the per-session scripts in the
+# git-ignored .device/ were lost with a checkout twice (a first call found none; a restarted session
+# had to write them again). Each plan resumes where a call cut short left it (the same command again;
+# exit 3 asks for that) and leaves at most 8 files in $OUT (what the device tool brings back).
+#
+# usage, from the repository root:   OUT=DIR bash bench/gpu/calls.sh PLAN [ARGS...] [deadline_seconds]
+#
+#   sbs                      stock against patched at the defaults (bench/gpu/side_by_side.sh: builds,
+#                            decode at 0 / 4k / 32k, verify, 12 sequences, test-backend-ops, the engine's
+#                            pause / resume unless MC_SBS_ENGINE=0), then a step trace of the defaults
+#                            ($OUT/trace_defaults.json). Two calls of ~570 s on a fresh machine.
+#   setting NAME=VAR=VAL[,VAR=VAL...] [OPS]
+#                            one setting of the patched build against its defaults: logits under it (the
+#                            summary's logits_patched_vNAME_vs_patched, same_bytes), test-backend-ops of OPS
+#                            (a comma list, default MUL_MAT) under it, warm rounds alternating the two
+#                            (MC_CALLS_ROUNDS, default 8, tg at 0 / 4k: $OUT/warm.json; then 3 rounds at 32k
+#                            and verify 1 / 16: $OUT/warm32k.json), and the step traces of both lined up
+#                            ($OUT/trace_compare.json). Uses the state's build where it holds this series
+#                            (after `sbs`), else builds the patched tree alone.
+#
+# Needs .device/ as side_by_side.sh does (python3 bench/gpu/prepare_device.py). MC_STATE as there
+# (default /tmp/mcs). The plan's commands go to $OUT/calls.log.
+set -u
+: "${OUT:?set OUT to the folder for results}"
+PLAN=${1:-}
+shift || true
+ROOT=$(pwd)
+S=${MC_STATE:-/tmp/mcs}
+last=${*: -1}
+case $last in '' | *[!0-9]*) DEADLINE=570 ;; *) DEADLINE=$last; set -- "${@:1:$(($# - 1))}" ;; esac
+log() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$OUT/calls.log"; }
+left() { echo $((DEADLINE - SECONDS)); }
+MODEL=${MC_BENCH_MODEL:-$S/random-27b-${MC_SBS_WEIGHTS:-q4_0}.gguf}
+BENCH=$S/patched/mc_gpu_bench
+
+sbs() {  # side_by_side.sh with what is left, keeping 15 s for this script's own end
+  log "side_by_side.sh: MC_SBS_BUILDS=${MC_SBS_BUILDS:-stock,patched} MC_SBS_MEASURE=${MC_SBS_MEASURE:-default}" \
+    "MC_SBS_VARIANTS=${MC_SBS_VARIANTS:-} MC_SBS_ENGINE=${MC_SBS_ENGINE:-1}"
+  bash "$ROOT/bench/gpu/side_by_side.sh" $(($(left) - 15))
+}
+
+phase() {  # name, seconds it needs, command...: once per state (a marker), skipped when time is short
+  local name=$1 need=$2; shift 2
+  [ -f "$S/calls-$name.done" ] && return 0
+  if [ "$(left)" -lt "$need" ]; then log "$name needs ${need} s, $(left) left: call again"; exit 3; fi
+  log "$name: $*"
+  timeout $(($(left) - 5)) "$@" && touch "$S/calls-$name.done" || {
+    log "$name stopped (exit $?)"; exit 3; }
+}
+
+case $PLAN in
+  sbs)
+    mkdir -p "$OUT" "$S"
+    sbs; rc=$?
+    [ $rc = 0 ] || exit $rc
+    phase trace-defaults 90 python3 "$ROOT/bench/gpu/step_trace.py" trace --bench "$BENCH" --model "$MODEL" \
+      --tokens 64 --json "$OUT/trace_defaults.json" --csv "$S/trace-defaults.csv"
+    ;;
+  setting)
+    ARG=${1:-}
+    OPS=${2:-MUL_MAT}
+    NAME=${ARG%%=*} SETTINGS=${ARG#*=}
+    case $NAME in '' | *[!A-Za-z0-9_]*)
+      echo "setting: expected NAME=VAR=VAL[,VAR=VAL...] with NAME of letters, digits and _, got '$ARG'"; exit 2 ;;
+    esac
+    for kv in ${SETTINGS//,/ }; do
+      case $kv in [A-Za-z_]*=*) ;; *) echo "setting $NAME: '$kv' is not VAR=VALUE"; exit 2 ;; esac
+    done
+    [ -n "$SETTINGS" ] || { echo "setting $NAME: no VAR=VALUE given"; exit 2; }
+    mkdir -p "$OUT" "$S"
+    # a state holding this series' build (after sbs) is used as it is; else the patched build alone
+    [ -f "$S/build-for.txt" ] || export MC_SBS_BUILDS=${MC_SBS_BUILDS:-patched}
+    [ -f "$S/build-for.txt" ] && [ "$(awk '{print $2}' "$S/build-for.txt")" = 0 ] &&
+      export MC_SBS_BUILDS=${MC_SBS_BUILDS:-patched}
+    export MC_SBS_MEASURE=logits MC_SBS_OPS=$OPS MC_SBS_ENGINE=0 MC_SBS_VARIANT_MEASURE=logits,ops
+    export MC_SBS_VARIANTS=v$NAME:${SETTINGS//,/+} "MC_SBS_VARIANT_OPS_v$NAME=$OPS"
+    sbs; rc=$?
+    [ $rc = 0 ] || exit $rc
+    WARM=(python3 "$ROOT/bench/gpu/warm_repeats.py" --bench "$BENCH" --model "$MODEL" --setting on=
+          --setting "$NAME=$SETTINGS")
+    within() { local d=$(($(left) - $1)); echo $((d < 30 ? 30 : d)); }  # a round deadline, keeping $1 s
+    phase "warm-$NAME" 120 "${WARM[@]}" --rounds "${MC_CALLS_ROUNDS:-8}" --measure tg:0,4096:64 \
+      --json "$OUT/warm.json" --deadline "$(within 150)"
+    phase "warm32k-$NAME" 100 "${WARM[@]}" --rounds 3 --measure tg:32768:32 --measure verify:512:1:1,16 \
+      --json "$OUT/warm32k.json" --deadline "$(within 60)"
+    TRACE=(python3 "$ROOT/bench/gpu/step_trace.py" trace --bench "$BENCH" --model "$MODEL" --tokens 64)
+    phase trace-on 40 "${TRACE[@]}" --json "$S/trace-on.json" --csv "$S/trace-on.csv"
+    TSET=(); for kv in ${SETTINGS//,/ }; do TSET+=(--setting "$kv"); done
+    phase "trace-$NAME" 40 "${TRACE[@]}" "${TSET[@]}" --json "$S/trace-$NAME.json" --csv "$S/trace-$NAME.csv"
+    phase "compare-$NAME" 10 python3 "$ROOT/bench/gpu/step_trace.py" compare "$S/trace-on.json" \
+      "$S/trace-$NAME.json" --json "$OUT/trace_compare.json"
+    ;;
+  *)
+    echo "usage: OUT=DIR bash bench/gpu/calls.sh sbs|setting NAME=VAR=VAL[,...] [OPS] [deadline_seconds]"
+    exit 2 ;;
+esac
+log "plan $PLAN done"

@@ -1,0 +1,35 @@
+"""bench/gpu/calls.sh: the GPU machine's calls as named plans. Here (no GPU) its refusals: a bad
+plan or setting is named before anything is built, measured or written."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu" / "calls.sh"
+
+
+def call(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "MC_STATE": str(tmp_path / "state")}
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True)
+
+
+def test_bad_plans_and_settings_are_refused_before_anything_runs(tmp_path):
+    cases = {
+        ("nope",): "usage: OUT=DIR bash bench/gpu/calls.sh sbs|setting",
+        ("setting", "bad-name=X=1"): "with NAME of letters, digits and _, got 'bad-name=X=1'",
+        ("setting", "fs=MC_A=1,oops", "300"): "setting fs: 'oops' is not VAR=VALUE",
+        ("setting", "fs=", "300"): "setting fs: no VAR=VALUE given",
+        ("setting",): "got ''",
+    }
+    for args, message in cases.items():
+        res = call(tmp_path, *args)
+        assert res.returncode == 2, (args, res.stdout, res.stderr)
+        assert message in res.stdout, (args, res.stdout)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "state").exists()
+
+
+def test_the_script_parses():
+    assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
