@@ -330,6 +330,10 @@ def main() -> None:
     series = re.search(r"series ([0-9a-f]{16,})", log)
     if series:
         res["series_hash"] = series.group(1)
+    # the MC_ settings each call ran under (side_by_side.sh logs them at its start; "none": the defaults)
+    settings = [m.strip() for m in re.findall(r"=== call start .*, settings: (.*)$", log, re.M)]
+    if settings:
+        res["settings_per_call"] = settings
     if not res["commit"]:
         res["commit"] = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True

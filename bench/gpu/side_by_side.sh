@@ -137,7 +137,11 @@ trap ship EXIT
 # the commit recorded: MC_SBS_COMMIT where the caller knows it better than this copy's git (a tree
 # sent to another machine can carry a stale .git: the H200 runs read an older HEAD several times)
 COMMIT=${MC_SBS_COMMIT:-$(git -C "$ROOT" rev-parse HEAD 2>/dev/null)}
-log "=== call start in $ROOT (commit ${COMMIT:0:10}), deadline ${DEADLINE}s"
+# the MC_ settings this call's measurements run under (the defaults' literals aside): a call may export
+# some (calls.sh sbs after a setting won), and the summary records each call's
+SETTINGS=$(env | grep -E '^MC_[A-Z0-9_]+=' | grep -vE '^MC_(SBS_|STATE=|BENCH_MODEL=|CALLS_|SDIST=|CUDA_ARCH=)' |
+  sort | tr '\n' ' ')
+log "=== call start in $ROOT (commit ${COMMIT:0:10}), deadline ${DEADLINE}s, settings: ${SETTINGS:-none}"
 
 if [ ! -f "$S/env.txt" ]; then
   { date -u +%FT%TZ; echo "commit $COMMIT";
