@@ -120,17 +120,13 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     # (the copies-only form is the mmr lab's), the activations in registers (registers for 2 CTAs of 256
     # threads an SM: 65,536 / 512) or in shared memory (MC_MMV_PERSIST_YSMEM: 3 CTAs, 65,536 / 768 = 85,
     # allocated in steps of 8); patch 0063 (MC_NORM_PRO): the register form of each with the norm in its
-    # prologue, an instance of its own (template arguments: gate, arithmetic, YS, the prologue)
-    name = r"entry function '_Z11mc_pmv_q4_0ILb(\d)ELb(\d)ELb(\d)ELb(\d)EE\w+'.*?Used (\d+) registers"
+    # prologue, instances of their own: in every CTA (1) or shared by clusters of 2 / 4 CTAs (template
+    # arguments: gate, arithmetic, YS, the prologue's CTAs a cluster, 0 for none)
+    name = r"entry function '_Z11mc_pmv_q4_0ILb(\d)ELb(\d)ELb(\d)ELi(\d)EE\w+'.*?Used (\d+) registers"
     pmv = re.findall(name, report, re.S)
-    assert sorted((g, m, y, n) for g, m, y, n, _ in pmv) == [
-        ("0", "1", "0", "0"),
-        ("0", "1", "0", "1"),
-        ("0", "1", "1", "0"),
-        ("1", "1", "0", "0"),
-        ("1", "1", "0", "1"),
-        ("1", "1", "1", "0"),
-    ], pmv
+    assert sorted((g, m, y, n) for g, m, y, n, _ in pmv) == sorted(
+        [(g, "1", "1", "0") for g in "01"] + [(g, "1", "0", n) for g in "01" for n in "0124"]
+    ), pmv
     assert all(int(r) <= (80 if y == "1" else 128) for *_, y, _n, r in pmv), pmv
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), spills
@@ -215,7 +211,7 @@ def test_bulk_copies_land_on_128_byte_lines(patched):
     assert "((size_t) nblocks * sizeof(block_q8_1) + 127) / 128 * 128" in sizes
     assert "(const block_q8_1 *) (smem + a.stages * a.stage_bytes);" in pmv
     plaunch = c_body(source, "static bool mc_pmv_launch_as(")
-    assert "const size_t          smem = mc_pmv_smem(st, nblocks, YS || NP);" in plaunch  # 0063: NP too
+    assert "const size_t          smem = mc_pmv_smem(st, nblocks, YS || NP > 0);" in plaunch  # 0063: NP too
     # every bulk copy (but the helper's definition) is made in one of those three kernels
     spans = []
     for head in (
@@ -355,7 +351,7 @@ def test_the_persistent_one_column_kernel_is_wired_and_falls_back(patched):
     assert 'mc_env_int("MC_MMV_PERSIST_STAGES", 2, MC_PMV_MAX_STAGES, 3)' in source
     # the dynamic shared memory allowed: the block's limit less the kernel's static part (the limit
     # itself is refused as an invalid argument: run AP's first calls)
-    ctas = c_body(source, "template <bool GATE, bool MATH, bool YS, bool NP = false> static int mc_pmv_ctas(")
+    ctas = c_body(source, "template <bool GATE, bool MATH, bool YS, int NP = 0> static int mc_pmv_ctas(")
     assert "CUDA_SET_SHARED_MEMORY_LIMIT(kernel, (int) dev.smpbo - static_bytes);" in ctas
     assert "cudaFuncGetAttributes(&attr, kernel)" in ctas and "attr.sharedSizeBytes" in ctas
     kernel = c_body(source, KERNEL_HEAD)
@@ -506,7 +502,7 @@ def test_the_q4_0_dot_keeps_the_high_nibbles_in_place(patched):
 
 # the persistent kernel's definition (patch 0031)
 KERNEL_HEAD = (  # patch 0063 added NP (the norm in the prologue)
-    "template <bool GATE, bool MATH, bool YS, bool NP = false>\n"
+    "template <bool GATE, bool MATH, bool YS, int NP = 0>\n"
     "__launch_bounds__(MC_PMV_WARPS * WARP_SIZE, YS ? 3 : 2)"
 )
 

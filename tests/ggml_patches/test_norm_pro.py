@@ -43,14 +43,18 @@ def _norm_kernel(x: np.ndarray) -> np.float32:
     return _butterfly(warps)
 
 
-def _prologue(x: np.ndarray) -> np.float32:
-    """mc_npro_run's order: thread t (of 256) holds xv[i] = x[t + 256 i]; for m < 4 it sums i = m + 4 k in k
-    order, that sum goes through its warp's butterfly into red[warp + 8 m]; then the 32 sums' butterfly."""
+def _prologue(x: np.ndarray, c: int = 1) -> np.float32:
+    """mc_npro_run<C>'s order: thread t (of 256) of a cluster's CTA rank r holds xv = x[t + 256 i] for the
+    i = m + 4 k of its m in [r 4 / C, (r + 1) 4 / C); for each m it sums i = m + 4 k in k order, that sum
+    goes through its warp's butterfly into slot warp + 8 m of every CTA's red; then the 32 sums' butterfly
+    (each CTA alike). Every slot is written once."""
     n = x.size
     ni = n // 256
-    red = np.zeros(32, np.float32)
+    red = np.full(32, np.nan, np.float32)
+    mine = [(r, m) for r in range(c) for m in range(r * 4 // c, (r + 1) * 4 // c)]
+    assert sorted(m for _, m in mine) == [0, 1, 2, 3]
     for w in range(8):
-        for m in range(4):
+        for _r, m in mine:
             lanes = np.zeros(32, np.float32)
             for lane in range(32):
                 t = 32 * w + lane
@@ -60,6 +64,7 @@ def _prologue(x: np.ndarray) -> np.float32:
                     if m + 4 * k < ni:
                         tmp = np.float32(tmp + np.float32(xv[m + 4 * k] * xv[m + 4 * k]))
                 lanes[lane] = tmp
+            assert np.isnan(red[w + 8 * m])
             red[w + 8 * m] = _butterfly(lanes)
     return _butterfly(red)
 
@@ -72,8 +77,10 @@ def test_the_prologue_sums_as_the_norm_kernel_does_to_the_bit(ncols, add):
     x = (a + rng.standard_normal(ncols).astype(np.float32)).astype(np.float32) if add else a
     # values of very different sizes: a summation order that differed would show in the low bits
     x[::97] *= np.float32(1000.0)
-    want, got = _norm_kernel(x), _prologue(x)
-    assert want.view(np.uint32) == got.view(np.uint32), (want, got)
+    want = _norm_kernel(x)
+    for c in (1, 2, 4):  # MC_NORM_PRO 1, 2, 3: every CTA, clusters of 2 and of 4
+        got = _prologue(x, c)
+        assert want.view(np.uint32) == got.view(np.uint32), (c, want, got)
     # and the outputs: scale * x * w with the same scale, element by element, then the same quantization
     w = rng.uniform(0.5, 1.5, ncols).astype(np.float32)
     scale = np.float32(1.0) / np.sqrt(np.float32(want / np.float32(ncols)) + np.float32(1e-6))
@@ -83,18 +90,42 @@ def test_the_prologue_sums_as_the_norm_kernel_does_to_the_bit(ncols, add):
 
 
 def test_a_thread_s_values_are_the_norm_threads_it_stands_for():
-    """Thread t's values t + 256 i are the columns of the norm's threads t + 256 m (columns t + 256 m +
-    1,024 k, i = m + 4 k) and the elements lane (t % 32) of the blocks warp + 8 i it quantizes."""
-    for ncols in (1024, 5120, 6144):
+    """Thread t's values t + 256 i (in a cluster of C, its rank's i = m + 4 k) are the columns of the norm's
+    threads t + 256 m (columns t + 256 m + 1,024 k) and the elements lane (t % 32) of the blocks warp + 8 i
+    it quantizes; over a cluster's ranks each value once, and each block's outputs written by one CTA of
+    the grid (mc_npro_run's `(col / QK8_1) % nclus == blockIdx.x / C`)."""
+    for ncols in (1024, 4096, 5120, 6144):
         ni = ncols // 256
-        for t in (0, 31, 32, 255):
-            held = {t + 256 * i for i in range(ni)}
-            norm = {
-                t + 256 * m + 1024 * k for m in range(4) for k in range(8) if t + 256 * m + 1024 * k < ncols
-            }
-            assert held == norm
-            warp, lane = divmod(t, 32)
-            assert {(c // 32, c % 32) for c in held} == {(warp + 8 * i, lane) for i in range(ni)}
+        for c in (1, 2, 4):
+            mpc = 4 // c
+            for t in (0, 31, 32, 255):
+                warp, lane = divmod(t, 32)
+                held = []
+                for r in range(c):  # mc_npro_run's loops: i = rank MPC + mm + 4 k
+                    mine = [r * mpc + mm + 4 * k for k in range(6) for mm in range(mpc)]
+                    mine = [i for i in mine if i < ni]
+                    norm = {
+                        t + 256 * m + 1024 * k
+                        for m in range(r * mpc, (r + 1) * mpc)
+                        for k in range(8)
+                        if t + 256 * m + 1024 * k < ncols
+                    }
+                    assert {t + 256 * i for i in mine} == norm
+                    held += mine
+                assert sorted(held) == list(range(ni))
+                blocks = {((t + 256 * i) // 32, (t + 256 * i) % 32) for i in held}
+                assert blocks == {(warp + 8 * i, lane) for i in range(ni)}
+        for c in (1, 2, 4):  # the side outputs: each block by one CTA of a 264-CTA grid
+            grid, nclus = 264, 264 // c
+            writers: dict[int, list[int]] = {}
+            for cta in range(grid):
+                r = cta % c
+                for w in range(8):
+                    for i in range(ni):
+                        if (i % 4) // (4 // c) == r and (w + 8 * i) % nclus == cta // c:
+                            writers.setdefault(w + 8 * i, []).append(cta)
+            assert sorted(writers) == list(range(ncols // 32))
+            assert all(len(v) == 1 for v in writers.values())
 
 
 def test_the_prologue_transcribes_the_norm_kernels(patched):
@@ -120,49 +151,77 @@ def test_the_prologue_transcribes_the_norm_kernels(patched):
     assert_statements(
         run,
         (
-            "xv[i]         = p.b != nullptr ? p.a[col] + p.b[col] : p.a[col];",
-            "tmp += xv[m + 4 * k] * xv[m + 4 * k];",
+            "const int i = rank * MPC + mm + 4 * k;",
+            "xv[mm + MPC * k] = p.b != nullptr ? p.a[col] + p.b[col] : p.a[col];",
+            "const int m   = rank * MPC + mm;",
+            "tmp += xv[mm + MPC * k] * xv[mm + MPC * k];",
             "tmp = warp_reduce_sum<WARP_SIZE>(tmp);",
-            "red[warp + (MC_NPRO_THREADS / WARP_SIZE) * m] = tmp;",
+            "*mc_npro_at<C>(red + warp + (MC_NPRO_THREADS / WARP_SIZE) * m, q) = tmp;",
             "const float tot   = warp_reduce_sum<WARP_SIZE>(red[lane]);",
             "const float mean  = tot / p.ncols;",
             "const float scale = rsqrtf(mean + p.eps);",
-            "const float v   = scale * xv[i] * wv[i];",
-            "mc_preq_store(yq, col, v);",
+            "const float v   = scale * xv[mm + MPC * k] * wv[mm + MPC * k];",
+            "mc_preq_store(mc_npro_at<C>(yq, q), col, v);",
             "p.out[col] = v;",
-            "p.sum[col] = xv[i];",
+            "p.sum[col] = xv[mm + MPC * k];",
             "mc_preq_store(p.q8, col, v);",
+            "if ((col / QK8_1) % nclus == (int) blockIdx.x / C) {",  # each block by one CTA
         ),
     )
-    assert run.index("__syncthreads();") < run.index("red[lane]") and run.rstrip().endswith(
-        "__syncthreads();"
+    # clusters: the wait for the kernel's arrive before the first store into another CTA's memory, the
+    # cluster's barrier before the sums are read and at the end (1: the block's)
+    assert run.index("mc_npro_cluster_wait();") < run.index("*mc_npro_at<C>(red")
+    assert run.index("mc_npro_sync<C>();") < run.index("red[lane]")
+    assert run.rstrip().endswith("mc_npro_sync<C>();")
+    sync = c_body(preq, "template <int C> static __device__ __forceinline__ void mc_npro_sync(")
+    assert "mc_npro_cluster_sync();" in sync and "__syncthreads();" in sync
+    assert (
+        "barrier.cluster.arrive.release.aligned;" in preq and "barrier.cluster.wait.acquire.aligned;" in preq
     )
-    assert "if ((int) ((col / QK8_1) % gridDim.x) == (int) blockIdx.x) {" in run  # each block by one CTA
+    assert 'asm volatile("mapa.u64 %0, %1, %2;"' in preq
+    assert 'ggml_cuda_mc_env_int("MC_NORM_PRO", 0, 3, 0)' in preq  # off until measured
     assert "#define MC_NPRO_MAX_I   24" in preq and "#define MC_NPRO_THREADS 256" in preq
 
 
 def test_the_kernel_runs_the_prologue_after_its_wait_and_reads_its_blocks(patched):
     mmv = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
     kernel = c_body(mmv, "static __global__ void mc_pmv_q4_0(")
-    assert "static_assert(!NP || (MATH && !YS), \"the prologue's blocks take YS's place\");" in kernel
+    assert "static_assert(NP == 0 || (MATH && !YS), \"the prologue's blocks take YS's place\");" in kernel
     wait = kernel.index("ggml_cuda_pdl_sync();")
     early = kernel.index("if (a.np.w_early) {")
-    prologue = kernel.index("mc_npro_run(a.np, wv, (block_q8_1 *) ys, npro_red);")
+    prologue = kernel.index("mc_npro_run<NP>(a.np, wv, (block_q8_1 *) ys, npro_red);")
     assert early < wait < prologue  # the model's weight before the wait, the activations after it
+    assert kernel.index("mc_npro_cluster_arrive();") < wait  # clusters: this CTA has started
     loads = kernel.index("mc_load_q8_1_pair<true>(ys + kb,")
     assert prologue < loads < kernel.index("mc_load_q8_1_smem(ys + kt,")
     assert prologue < kernel.index(
         "__syncthreads();  // the barriers initialized before anyone waits on them"
     )
     launch = c_body(mmv, "static bool mc_pmv_launch_as(")
-    assert "mc_pmv_smem(st, nblocks, YS || NP)" in launch and "a.np = *np;" in launch
+    assert "mc_pmv_smem(st, nblocks, YS || NP > 0)" in launch and "a.np = *np;" in launch
     assert "mc_pmv_q4_0<GATE, MATH, YS, NP>" in launch
+    # clusters: whole ones, all resident at once (the persistent CTAs wait on each other's rows), PDL kept
+    assert "ctas = ctas / NP * NP;" in launch and "!mc_pmv_clusters_fit<GATE, MATH, NP>(smem, ctas)" in launch
+    fit = c_body(mmv, "template <bool GATE, bool MATH, int C> static bool mc_pmv_clusters_fit(")
+    assert "cudaOccupancyMaxActiveClusters(&n, mc_pmv_q4_0<GATE, MATH, false, C>, &cfg)" in fit
+    assert "return most * C >= ctas;" in fit
+    clusters = c_body(mmv, "static void mc_pmv_launch_clusters(")
+    assert (
+        "cudaLaunchAttributeClusterDimension" in clusters
+        and "attrs[nattrs].val.clusterDim.x = c;" in clusters
+    )
+    assert "cudaLaunchAttributeProgrammaticStreamSerialization" in clusters
+    head = "static bool mc_pmv_launch(const mc_mm_group & grp, const char * vgate, const block_q8_1 * y, "
+    persist = c_body(mmv, head + "const int")
+    for level, c in (("level == 3 ?", 4), ("level == 2 ?", 2)):
+        assert f"{level} mc_pmv_launch_as<GATE, MATH, false, {c}>(" in persist
+    assert "mc_pmv_launch_as<GATE, MATH, false, 1>(" in persist
 
 
 def test_the_host_leaves_a_norm_only_to_the_next_product_and_launches_it_otherwise(patched):
     main = (patched / "ggml/src/ggml-cuda/ggml-cuda.cu").read_text()
     mmv = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
-    assert 'ggml_cuda_mc_env_int("MC_NORM_PRO", 0, 1, 0) == 1' in main  # off until measured
+    assert "return ggml_cuda_mc_norm_pro() >= 1;" in main  # mc-preq.cuh: off until measured
     defer = c_body(main, "static bool mc_npro_defer(")
     for rule in (
         "pq.q8 == nullptr",  # the norm's blocks planned (a product reads them)
