@@ -16,8 +16,12 @@
 #                            (a comma list, default MUL_MAT) under it, warm rounds alternating the two
 #                            (MC_CALLS_ROUNDS, default 8, tg at 0 / 4k: $OUT/warm.json; then 3 rounds at 32k
 #                            and verify 1 / 16: $OUT/warm32k.json), and the step traces of both lined up
-#                            ($OUT/trace_compare.json). Uses the state's build where it holds this series
+#                            ($OUT/trace_compare.json: {NAME: comparison}). Uses the state's build where it holds this series
 #                            (after `sbs`), else builds the patched tree alone.
+#   settings OPS NAME=VAR=VAL[,...] NAME2=... ...
+#                            the same for several settings at once: each one's logits and OPS, the
+#                            defaults and all of them alternating in the same rounds, each one's trace
+#                            against the defaults ($OUT/trace_compare.json: {name: comparison})
 #
 # Needs .device/ as side_by_side.sh does (python3 bench/gpu/prepare_device.py). MC_STATE as there
 # (default /tmp/mcs). The plan's commands go to $OUT/calls.log.
@@ -57,42 +61,68 @@ case $PLAN in
     phase trace-defaults 90 python3 "$ROOT/bench/gpu/step_trace.py" trace --bench "$BENCH" --model "$MODEL" \
       --tokens 64 --json "$OUT/trace_defaults.json" --csv "$S/trace-defaults.csv"
     ;;
-  setting)
-    ARG=${1:-}
-    OPS=${2:-MUL_MAT}
-    NAME=${ARG%%=*} SETTINGS=${ARG#*=}
-    case $NAME in '' | *[!A-Za-z0-9_]*)
-      echo "setting: expected NAME=VAR=VAL[,VAR=VAL...] with NAME of letters, digits and _, got '$ARG'"; exit 2 ;;
-    esac
-    for kv in ${SETTINGS//,/ }; do
-      case $kv in [A-Za-z_]*=*) ;; *) echo "setting $NAME: '$kv' is not VAR=VALUE"; exit 2 ;; esac
+  setting | settings)
+    # setting NAME=VARS [OPS] is settings OPS NAME=VARS: one or more settings (NAME=VAR=VAL[,VAR=VAL...]) of
+    # the patched build, each against its defaults and the others in the same alternating rounds
+    if [ "$PLAN" = setting ]; then
+      ARGS=("${1:-}"); OPS=${2:-MUL_MAT}
+    else
+      OPS=${1:-}; shift || true; ARGS=("$@")
+      [ -n "$OPS" ] && [ ${#ARGS[@]} -gt 0 ] || { echo "settings: expected OPS NAME=VAR=VAL[,...] ..."; exit 2; }
+    fi
+    NAMES=() VARIANTS= WARMSET=(--setting on=)
+    for ARG in "${ARGS[@]}"; do
+      NAME=${ARG%%=*} SETTINGS=${ARG#*=}
+      case $NAME in '' | on | *[!A-Za-z0-9_]*)
+        echo "setting: expected NAME=VAR=VAL[,VAR=VAL...] with NAME of letters, digits and _ (not on), got '$ARG'"
+        exit 2 ;;
+      esac
+      for kv in ${SETTINGS//,/ }; do
+        case $kv in [A-Za-z_]*=*) ;; *) echo "setting $NAME: '$kv' is not VAR=VALUE"; exit 2 ;; esac
+      done
+      [ -n "$SETTINGS" ] || { echo "setting $NAME: no VAR=VALUE given"; exit 2; }
+      case " ${NAMES[*]} " in *" $NAME "*) echo "setting $NAME: named twice"; exit 2 ;; esac
+      NAMES+=("$NAME")
+      VARIANTS+=${VARIANTS:+,}v$NAME:${SETTINGS//,/+}
+      export "MC_SBS_VARIANT_OPS_v$NAME=$OPS"
+      WARMSET+=(--setting "$NAME=$SETTINGS")
     done
-    [ -n "$SETTINGS" ] || { echo "setting $NAME: no VAR=VALUE given"; exit 2; }
+    KEY=$(IFS=-; echo "${NAMES[*]}")  # the phases' markers: this list of settings
     mkdir -p "$OUT" "$S"
     # a state holding this series' build (after sbs) is used as it is; else the patched build alone
     [ -f "$S/build-for.txt" ] || export MC_SBS_BUILDS=${MC_SBS_BUILDS:-patched}
     [ -f "$S/build-for.txt" ] && [ "$(awk '{print $2}' "$S/build-for.txt")" = 0 ] &&
       export MC_SBS_BUILDS=${MC_SBS_BUILDS:-patched}
     export MC_SBS_MEASURE=logits MC_SBS_OPS=$OPS MC_SBS_ENGINE=0 MC_SBS_VARIANT_MEASURE=logits,ops
-    export MC_SBS_VARIANTS=v$NAME:${SETTINGS//,/+} "MC_SBS_VARIANT_OPS_v$NAME=$OPS"
+    export MC_SBS_VARIANTS=$VARIANTS
     sbs; rc=$?
     [ $rc = 0 ] || exit $rc
-    WARM=(python3 "$ROOT/bench/gpu/warm_repeats.py" --bench "$BENCH" --model "$MODEL" --setting on=
-          --setting "$NAME=$SETTINGS")
+    WARM=(python3 "$ROOT/bench/gpu/warm_repeats.py" --bench "$BENCH" --model "$MODEL" "${WARMSET[@]}")
     within() { local d=$(($(left) - $1)); echo $((d < 30 ? 30 : d)); }  # a round deadline, keeping $1 s
-    phase "warm-$NAME" 120 "${WARM[@]}" --rounds "${MC_CALLS_ROUNDS:-8}" --measure tg:0,4096:64 \
-      --json "$OUT/warm.json" --deadline "$(within 150)"
-    phase "warm32k-$NAME" 100 "${WARM[@]}" --rounds 3 --measure tg:32768:32 --measure verify:512:1:1,16 \
-      --json "$OUT/warm32k.json" --deadline "$(within 60)"
+    phase "warm-$KEY" 120 "${WARM[@]}" --rounds "${MC_CALLS_ROUNDS:-8}" --measure tg:0,4096:64 \
+      --json "$OUT/warm.json" --deadline "$(within $((90 + 60 * ${#NAMES[@]})))"
+    phase "warm32k-$KEY" 100 "${WARM[@]}" --rounds 3 --measure tg:32768:32 --measure verify:512:1:1,16 \
+      --json "$OUT/warm32k.json" --deadline "$(within $((30 + 30 * ${#NAMES[@]})))"
     TRACE=(python3 "$ROOT/bench/gpu/step_trace.py" trace --bench "$BENCH" --model "$MODEL" --tokens 64)
     phase trace-on 40 "${TRACE[@]}" --json "$S/trace-on.json" --csv "$S/trace-on.csv"
-    TSET=(); for kv in ${SETTINGS//,/ }; do TSET+=(--setting "$kv"); done
-    phase "trace-$NAME" 40 "${TRACE[@]}" "${TSET[@]}" --json "$S/trace-$NAME.json" --csv "$S/trace-$NAME.csv"
-    phase "compare-$NAME" 10 python3 "$ROOT/bench/gpu/step_trace.py" compare "$S/trace-on.json" \
-      "$S/trace-$NAME.json" --json "$OUT/trace_compare.json"
+    for ARG in "${ARGS[@]}"; do
+      NAME=${ARG%%=*} SETTINGS=${ARG#*=}
+      TSET=(); for kv in ${SETTINGS//,/ }; do TSET+=(--setting "$kv"); done
+      phase "trace-$NAME" 40 "${TRACE[@]}" "${TSET[@]}" --json "$S/trace-$NAME.json" --csv "$S/trace-$NAME.csv"
+      phase "compare-$NAME" 10 python3 "$ROOT/bench/gpu/step_trace.py" compare "$S/trace-on.json" \
+        "$S/trace-$NAME.json" --json "$S/compare-$NAME.json"
+    done
+    # one file back for all of them (the device tool brings back at most 8): {name: the comparison}
+    python3 - "$OUT/trace_compare.json" "$S" "${NAMES[@]}" <<'PY'
+import json, pathlib, sys
+out, state, names = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3:]
+found = {n: json.loads((state / f"compare-{n}.json").read_text()) for n in names if (state / f"compare-{n}.json").exists()}
+out.write_text(json.dumps(found, indent=1) + "\n")
+PY
     ;;
   *)
-    echo "usage: OUT=DIR bash bench/gpu/calls.sh sbs|setting NAME=VAR=VAL[,...] [OPS] [deadline_seconds]"
+    echo "usage: OUT=DIR bash bench/gpu/calls.sh sbs|setting NAME=VAR=VAL[,...] [OPS]|settings OPS NAME=VAR=VAL[,...]..." \
+      "[deadline_seconds]"
     exit 2 ;;
 esac
 log "plan $PLAN done"

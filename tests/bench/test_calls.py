@@ -19,10 +19,15 @@ def call(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 def test_bad_plans_and_settings_are_refused_before_anything_runs(tmp_path):
     cases = {
         ("nope",): "usage: OUT=DIR bash bench/gpu/calls.sh sbs|setting",
-        ("setting", "bad-name=X=1"): "with NAME of letters, digits and _, got 'bad-name=X=1'",
+        ("setting", "bad-name=X=1"): "with NAME of letters, digits and _ (not on), got 'bad-name=X=1'",
         ("setting", "fs=MC_A=1,oops", "300"): "setting fs: 'oops' is not VAR=VALUE",
         ("setting", "fs=", "300"): "setting fs: no VAR=VALUE given",
         ("setting",): "got ''",
+        ("setting", "on=MC_A=1"): "(not on), got 'on=MC_A=1'",  # the defaults' name in the rounds
+        ("settings",): "settings: expected OPS NAME=VAR=VAL[,...] ...",
+        ("settings", "MUL_MAT"): "settings: expected OPS NAME=VAR=VAL[,...] ...",
+        ("settings", "MUL_MAT", "a=MC_A=1", "a=MC_A=2", "300"): "setting a: named twice",
+        ("settings", "MUL_MAT", "a=MC_A=1", "b=oops"): "setting b: 'oops' is not VAR=VALUE",
     }
     for args, message in cases.items():
         res = call(tmp_path, *args)
