@@ -1,0 +1,57 @@
+"""bench/gpu/results_file.py: one results file from a session's returned files (a side-by-side summary,
+warm_repeats JSONs, trace comparisons), each recognized by its content; bad input named."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu" / "results_file.py"
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True)
+
+
+def test_the_files_are_merged_by_kind(tmp_path):
+    summary = {"gpu": "NVIDIA H200", "commit": "abc", "tg_tok_s_stock": 102.7, "tg_tok_s_patched": 180.1,
+               "pause_ms_32k": 44.2, "builds": {}, "settings_per_call": ["MC_NORM_PRO=1"]}  # fmt: skip
+    warm = {"kind": "warm_repeats", "summary": {"on": {}}, "command": "warm_repeats.py ..."}
+    compare = {"np1": {"span_delta_us": -120.0}}
+    for name, data in (("summary", summary), ("warm", warm), ("warm32k", warm), ("trace_compare", compare)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    out = tmp_path / "res.json"
+    files = [str(tmp_path / f"{n}.json") for n in ("summary", "warm", "warm32k", "trace_compare")]
+    res = run(
+        "--out", str(out), "--what", "run CI", "--command", "calls.sh ...", "--device-seconds", "1700", *files
+    )
+    assert res.returncode == 0, res.stderr
+    data = json.loads(out.read_text())
+    assert (
+        data["what"] == "run CI" and data["command"] == "calls.sh ..." and data["device_seconds_used"] == 1700
+    )
+    assert data["tg_tok_s_patched"] == 180.1 and data["pause_ms_32k"] == 44.2 and data["gpu"] == "NVIDIA H200"
+    assert (
+        set(data["warm"]) == {"warm", "warm32k"} and data["warm"]["warm"]["command"] == "warm_repeats.py ..."
+    )
+    assert data["trace_compare"] == {"trace_compare": compare}
+    assert "settings_per_call=['MC_NORM_PRO=1']" in res.stdout
+    assert not (tmp_path / "res.json.tmp").exists()
+
+
+def test_bad_input_is_named_and_nothing_is_written(tmp_path):
+    out = tmp_path / "res.json"
+    base = ("--out", str(out), "--what", "w", "--command", "c")
+    res = run(*base, str(tmp_path / "gone.json"))
+    assert res.returncode != 0 and "no such file" in res.stderr and "gone.json" in res.stderr
+    (tmp_path / "bad.json").write_text("{not json")
+    res = run(*base, str(tmp_path / "bad.json"))
+    assert res.returncode != 0 and "bad.json: not a JSON file" in res.stderr
+    for n in ("a", "b"):
+        (tmp_path / f"{n}.json").write_text(json.dumps({"tg_tok_s_patched": 1.0}))
+    res = run(*base, str(tmp_path / "a.json"), str(tmp_path / "b.json"))
+    assert res.returncode != 0 and "two side-by-side summaries" in res.stderr
+    assert not out.exists()
