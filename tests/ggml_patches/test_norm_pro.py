@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.ggml_patches.test_cuda_kernels import assert_statements, c_body
+from tests.ggml_patches.test_cuda_kernels import assert_statements, c_body, compile_cuda
 
 
 def _butterfly(lanes: np.ndarray) -> np.float32:
@@ -229,7 +229,7 @@ def test_the_host_leaves_a_norm_only_to_the_next_product_and_launches_it_otherwi
         "mc_probe_norm() != 0",
         "k < 1024 || k % MC_NPRO_THREADS != 0 || k > (int64_t) MC_NPRO_THREADS * MC_NPRO_MAX_I",
         "!mc_disjoint(add, in)",  # every CTA reads the whole row
-        "const int j = mc_next_compute(cgraph, i_last);",
+        "const int j = mc_next_real_node(cgraph, i_last);",
         "j >= pq.until || !mc_npro_product(cgraph->nodes[j], mul)",
     ):
         assert rule in defer, rule
@@ -275,3 +275,11 @@ def test_the_gpu_cases_are_in_test_backend_ops(patched):
     assert "ggml_concat(ctx, ggml_concat(ctx, h, second, 0), normed, 0)" in case
     for args in ("(add, true, 5120, 17408)", "(add, false, 5120, 16384)", "(true, false, 4096, 16384)"):
         assert f"new test_mc_norm_pro{args}" in ops, args
+
+
+def test_the_cluster_instances_compile_for_a_gpu_before_hopper(patched, tmp_path):
+    """The build adds the machine's own GPU to sm_90 / sm_120 (an RTX 4090 is sm_89): there the cluster
+    instances, never launched before Hopper, compile to a trap instead of failing the build (the first
+    form's static_assert did)."""
+    out = compile_cuda(patched, "mc-mmv.cu", "89", tmp_path, "-O1")
+    assert out.returncode == 0, out.stderr[-3000:]
