@@ -16,8 +16,8 @@
 #                            (a comma list, default MUL_MAT) under it, warm rounds alternating the two
 #                            (MC_CALLS_ROUNDS, default 8, tg at 0 / 4k: $OUT/warm.json; then 3 rounds at 32k
 #                            and verify 1 / 16: $OUT/warm32k.json), and the step traces of both lined up
-#                            ($OUT/trace_compare.json: {NAME: comparison}). Uses the state's build where it holds this series
-#                            (after `sbs`), else builds the patched tree alone.
+#                            ($OUT/trace_compare.json: {NAME: comparison}). Uses the state's build where it
+#                            holds this series (after `sbs`), else builds the patched tree alone.
 #   settings OPS NAME=VAR=VAL[,...] NAME2=... ...
 #                            the same for several settings at once: each one's logits and OPS, the
 #                            defaults and all of them alternating in the same rounds, each one's trace
@@ -89,10 +89,10 @@ case $PLAN in
     done
     KEY=$(IFS=-; echo "${NAMES[*]}")  # the phases' markers: this list of settings
     mkdir -p "$OUT" "$S"
-    # a state holding this series' build (after sbs) is used as it is; else the patched build alone
-    [ -f "$S/build-for.txt" ] || export MC_SBS_BUILDS=${MC_SBS_BUILDS:-patched}
-    [ -f "$S/build-for.txt" ] && [ "$(awk '{print $2}' "$S/build-for.txt")" = 0 ] &&
+    # a state holding this series' builds with stock (after sbs) is used as it is; else the patched build alone
+    if [ ! -f "$S/build-for.txt" ] || [ "$(awk '{print $2}' "$S/build-for.txt")" = 0 ]; then
       export MC_SBS_BUILDS=${MC_SBS_BUILDS:-patched}
+    fi
     export MC_SBS_MEASURE=logits MC_SBS_OPS=$OPS MC_SBS_ENGINE=0 MC_SBS_VARIANT_MEASURE=logits,ops
     export MC_SBS_VARIANTS=$VARIANTS
     sbs; rc=$?
