@@ -150,17 +150,9 @@ void quantize_row_q8_1_cuda(const float *, const int32_t *, void *, ggml_type, i
                             int64_t, int64_t, int64_t, int64_t, cudaStream_t) {
     lab_unreachable("quantize_row_q8_1_cuda");
 }
-const block_q8_1 * ggml_cuda_mc_preq_take(ggml_backend_cuda_context &, const ggml_tensor *) {
+const block_q8_1 * ggml_cuda_mc_preq_take(const ggml_backend_cuda_context &, const ggml_tensor *) {
     lab_unreachable("ggml_cuda_mc_preq_take");  // patch 0052 (MC_PREQ): only a graph has pre-quantized blocks
 }
-// patch 0063 (MC_NORM_PRO): only a graph leaves a norm to a product; the entry points settle none
-bool ggml_cuda_mc_npro_args(const ggml_backend_cuda_context &, const ggml_tensor *, mc_npro_args &) {
-    return false;
-}
-void ggml_cuda_mc_npro_claim(ggml_backend_cuda_context &) {
-    lab_unreachable("ggml_cuda_mc_npro_claim");
-}
-void ggml_cuda_mc_npro_settle(ggml_backend_cuda_context &, const ggml_tensor *) {}
 std::unique_ptr<ggml_cuda_pool> ggml_backend_cuda_context::new_pool_for_device(int, int) {
     lab_unreachable("new_pool_for_device");
 }

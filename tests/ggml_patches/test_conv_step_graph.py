@@ -4,8 +4,7 @@ this machine's CPU backend while the scheduler's eval callback reports every nod
 columns, but ggml-alloc gives the convolution's output the token projection's freed memory, so it never
 fused in the model (run CD's trace on the H200 showed the same 820 kernels with it on). This test
 checks, on the real graph and its real buffers, everything the CUDA guard checks: the order, the
-window's two readers, and the memory the fused kernel may share. The same graph also shows where patch
-0063 (MC_NORM_PRO) finds its products: right after each layer's two norms."""
+window's two readers, and the memory the fused kernel may share."""
 
 from __future__ import annotations
 
@@ -150,53 +149,3 @@ def test_the_model_s_conv_step_meets_the_fusion_s_guards(tiny_qwen35_path):
             assert _disjoint(a, b), (a["name"], b["name"])
     # the case the first guard refused is the model's: the allocator reuses the token's columns
     assert overlapping == len(concats), (overlapping, len(concats))
-
-
-def test_each_layer_s_norms_are_followed_by_their_product(tiny_qwen35_path):
-    """Patch 0063 (MC_NORM_PRO) leaves a fused RMS norm x weight (after its residual add or not) to the
-    product at the next node that computes anything, where that node is a one-column product of the norm's
-    output (ggml-cuda.cu's mc_npro_defer); elsewhere the norm runs as before. In the model's real one-token
-    graph every layer's two norms (its input's and its FFN's) meet that: the RMS_NORM, its MUL, then a
-    MUL_MAT of the MUL's output; after a residual ADD where the add is not in the product before."""
-    names = _op_names()
-    nodes = _decode_step_nodes(tiny_qwen35_path)
-    by_ptr = {n["ptr"]: n for n in nodes}
-    noop = {"RESHAPE", "TRANSPOSE", "VIEW", "PERMUTE", "NONE"}
-
-    def real_after(i: int) -> int:
-        j = i + 1
-        while j < len(nodes) and (nodes[j]["empty"] or names[nodes[j]["op"]] in noop):
-            j += 1
-        return j
-
-    def base(ptr: int) -> int:
-        while by_ptr.get(ptr, {}).get("view_src"):
-            ptr = by_ptr[ptr]["view_src"]
-        return ptr
-
-    chains, added = [], 0
-    for i, n in enumerate(nodes):
-        if names[n["op"]] != "RMS_NORM" or n["ne"][1] != 1:
-            continue  # a layer's norm: one row (not the heads' q / k / gated norms)
-        j = real_after(i)
-        mul = nodes[j]
-        if names[mul["op"]] != "MUL" or n["ptr"] not in mul["src"]:
-            continue
-        if not mul["name"].startswith(("attn_norm-", "attn_post_norm-", "h_nextn")):
-            continue  # (the tiny model's one key head has a one-row k norm of the model's width)
-        k = real_after(j)
-        if k == len(nodes):
-            continue
-        product = nodes[k]
-        src = by_ptr.get(n["src"][0], {})
-        added += int(names.get(src.get("op", -1), "") == "ADD")
-        chains.append((n["name"], names[product["op"]], base(product["src"][1]) == mul["ptr"]))
-    layers = sum(1 for n in nodes if n["name"].startswith("attn_norm-"))
-    assert layers > 0
-    # the input's and the FFN's norm of every layer, then the output norm
-    assert len(chains) == 2 * layers + 1, chains
-    assert all(op == "MUL_MAT" and reads for _, op, reads in chains[:-1]), chains
-    # the output norm is followed by the selection of the output rows (GET_ROWS), not its product: it
-    # stays a launch of its own (the 27B's output matrix is Q6_K, which the prologue does not take anyway)
-    assert chains[-1][1] == "GET_ROWS", chains[-1]
-    assert added > 0  # some after a residual add of their own (the Gated DeltaNet's output)

@@ -119,15 +119,16 @@ def test_mc_mmv_compiles_without_spills(patched, arch, tmp_path):
     # the persistent one-column kernel (patch 0031, MC_MMV_PERSIST): plain and gated, with its arithmetic
     # (the copies-only form is the mmr lab's), the activations in registers (registers for 2 CTAs of 256
     # threads an SM: 65,536 / 512) or in shared memory (MC_MMV_PERSIST_YSMEM: 3 CTAs, 65,536 / 768 = 85,
-    # allocated in steps of 8); patch 0063 (MC_NORM_PRO): the register form of each with the norm in its
-    # prologue, instances of their own: in every CTA (1) or shared by clusters of 2 / 4 CTAs (template
-    # arguments: gate, arithmetic, YS, the prologue's CTAs a cluster, 0 for none)
-    name = r"entry function '_Z11mc_pmv_q4_0ILb(\d)ELb(\d)ELb(\d)ELi(\d)EE\w+'.*?Used (\d+) registers"
+    # allocated in steps of 8)
+    name = r"Compiling entry function '_Z11mc_pmv_q4_0ILb(\d)ELb(\d)ELb(\d)EE\w+'.*?Used (\d+) registers"
     pmv = re.findall(name, report, re.S)
-    assert sorted((g, m, y, n) for g, m, y, n, _ in pmv) == sorted(
-        [(g, "1", "1", "0") for g in "01"] + [(g, "1", "0", n) for g in "01" for n in "0124"]
-    ), pmv
-    assert all(int(r) <= (80 if y == "1" else 128) for *_, y, _n, r in pmv), pmv
+    assert sorted((g, m, y) for g, m, y, _ in pmv) == [
+        ("0", "1", "0"),
+        ("0", "1", "1"),
+        ("1", "1", "0"),
+        ("1", "1", "1"),
+    ], pmv
+    assert all(int(r) <= (80 if y == "1" else 128) for *_, y, r in pmv), pmv
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), spills
 
@@ -211,7 +212,7 @@ def test_bulk_copies_land_on_128_byte_lines(patched):
     assert "((size_t) nblocks * sizeof(block_q8_1) + 127) / 128 * 128" in sizes
     assert "(const block_q8_1 *) (smem + a.stages * a.stage_bytes);" in pmv
     plaunch = c_body(source, "static bool mc_pmv_launch_as(")
-    assert "const size_t          smem = mc_pmv_smem(st, nblocks, YS || NP > 0);" in plaunch  # 0063: NP too
+    assert "const size_t          smem = mc_pmv_smem(st, nblocks, YS);" in plaunch
     # every bulk copy (but the helper's definition) is made in one of those three kernels
     spans = []
     for head in (
@@ -351,7 +352,7 @@ def test_the_persistent_one_column_kernel_is_wired_and_falls_back(patched):
     assert 'mc_env_int("MC_MMV_PERSIST_STAGES", 2, MC_PMV_MAX_STAGES, 3)' in source
     # the dynamic shared memory allowed: the block's limit less the kernel's static part (the limit
     # itself is refused as an invalid argument: run AP's first calls)
-    ctas = c_body(source, "template <bool GATE, bool MATH, bool YS, int NP = 0> static int mc_pmv_ctas(")
+    ctas = c_body(source, "template <bool GATE, bool MATH, bool YS> static int mc_pmv_ctas(")
     assert "CUDA_SET_SHARED_MEMORY_LIMIT(kernel, (int) dev.smpbo - static_bytes);" in ctas
     assert "cudaFuncGetAttributes(&attr, kernel)" in ctas and "attr.sharedSizeBytes" in ctas
     kernel = c_body(source, KERNEL_HEAD)
@@ -501,9 +502,8 @@ def test_the_q4_0_dot_keeps_the_high_nibbles_in_place(patched):
 
 
 # the persistent kernel's definition (patch 0031)
-KERNEL_HEAD = (  # patch 0063 added NP (the norm in the prologue)
-    "template <bool GATE, bool MATH, bool YS, int NP = 0>\n"
-    "__launch_bounds__(MC_PMV_WARPS * WARP_SIZE, YS ? 3 : 2)"
+KERNEL_HEAD = (
+    "template <bool GATE, bool MATH, bool YS>\n__launch_bounds__(MC_PMV_WARPS * WARP_SIZE, YS ? 3 : 2)"
 )
 
 
@@ -571,15 +571,14 @@ def test_the_norm_probe_is_a_read_once_diagnostic_of_the_norms_between_products(
     assert 'ggml_cuda_mc_env_int("MC_PROBE_NORM", 0, 3, 0)' in probe
     assert "a diagnostic, the results are wrong" in probe
     fuse = main.index("static int mc_try_add_rms_norm(")
-    body = c_body(main, "static int mc_try_add_rms_norm(")  # (patch 0063 returns 2 earlier too)
-    assert main.index("static int mc_try_add_rms_norm(") == fuse
+    body = main[fuse : main.index("return 2;", fuse)]
     assert "const int probe = mc_probe_norm();" in body
     assert "if (probe != 1) {" in body
     # (patch 0052 passes its pre-quantized blocks, MC_PREQ, to both calls)
     assert "ggml_cuda_mc_add_rms_norm_mul(*ctx, add, norm, mul, probe != 2, pq.q8, split)" in body
     stock = main.index("ggml_cuda_op_rms_norm_fused(*cuda_ctx, node, cgraph->nodes[i + 1], mc_pq.q8, mc_pq")
     skip = "if (mc_probe_norm() == 3 && ggml_nrows(node) == 1 && node->ne[0] >= 1024) {"
-    assert skip in main[stock - 900 : stock]  # (patch 0063 between)
+    assert skip in main[stock - 450 : stock]
     norm = (patched / "ggml/src/ggml-cuda/norm.cu").read_text()
     assert "if constexpr (REDUCE) {" in norm
     assert "reduce ? mc_add_rms_norm_mul_f32<1024, true> : mc_add_rms_norm_mul_f32<1024, false>" in norm
@@ -973,14 +972,13 @@ def test_pre_quantized_activations_are_written_by_their_producers_and_taken_by_t
         ),
     ):
         at = main.index(call)
-        # the plan the call writes into (patch 0063's deferral between them)
-        before = main[main.rindex("ggml_cuda_mc_preq_plan(", 0, at) : at]
-        assert level in before.split("\n")[0], call
+        before = main[main.rindex("\n", 0, main.rindex("\n", 0, at)) : at]
+        assert level in before, call
         assert "ggml_cuda_mc_preq_commit(" in main[at : at + 200], call
     loop = main[main.index("ggml_cuda_mc_next_weights_plan(cgraph);") :]
     assert loop.index("cuda_ctx->mc_preq_data = nullptr;") < loop.index("cuda_ctx->mc_node = i;")
     end = loop.index("ggml_cuda_mc_next_weights_end();")
-    assert "cuda_ctx->mc_node      = -1;" in loop[end : end + 500]
+    assert "cuda_ctx->mc_node      = -1;" in loop[end : end + 200]
     # the kernels: whole warps, the f32 output's own value quantized
     unary = (cuda / "unary.cu").read_text()
     gated = c_body(unary, "static __global__ void unary_gated_op_kernel(")

@@ -1,12 +1,13 @@
-"""Patch 0062 (MC_FATTN_SKIP_MASKED, off by default until measured): llama.cpp pads the KV cells a step
-attends over to 256, so one token's attention at a short depth (the vector kernel, patch 0050's rule up
-to 4,096 cells) computes whole tiles of padding that the mask hides. Under the setting each warp of the
-vector kernel passes over its 32 cells of a tile when the mask is -inf on all of them. Everything a warp
-does in the tile loop is on its own cells, and hidden cells change nothing: their scores are -inf, the
-running maximum stays, the rescale is expf(0) = 1 and their weights expf(-inf) = 0. Checked here: that
-argument on an emulation of the loop's update in float32 (bit for bit), the kernel's statements, the
-launcher's condition, and that the skipping instance compiles for both targets without spills; the GPU
-run compares it with the CPU backend (test-backend-ops MC_FATTN_PAD) and the logits with it off."""
+"""Patch 0062 (MC_FATTN_SKIP_MASKED, on by default since run CI: +0.8% at depth 0): llama.cpp pads the
+KV cells a step attends over to 256, so one token's attention at a short depth (the vector kernel, patch
+0050's rule up to 4,096 cells) computes whole tiles of padding that the mask hides. With the setting each
+warp of the vector kernel passes over its 32 cells of a tile when the mask is -inf on all of them.
+Everything a warp does in the tile loop is on its own cells, and hidden cells change nothing: their scores
+are -inf, the running maximum stays, the rescale is expf(0) = 1 and their weights expf(-inf) = 0. Checked
+here: that argument on an emulation of the loop's update in float32 (bit for bit), the kernel's
+statements, the launcher's condition, and that the skipping instance compiles for both targets without
+spills; the GPU run compares it with the CPU backend (test-backend-ops MC_FATTN_PAD) and the logits with
+it off."""
 
 from __future__ import annotations
 
@@ -74,11 +75,11 @@ def test_the_kernel_passes_over_a_warp_s_cells_only_where_the_mask_hides_them_al
     assert "__syncthreads()" not in body  # no block barrier in the loop a skipping warp would miss
 
 
-def test_the_skipping_instance_runs_only_for_one_query_with_a_mask_under_the_setting(patched):
+def test_the_skipping_instance_runs_only_for_one_query_with_a_mask_unless_turned_off(patched):
     vec = (patched / "ggml/src/ggml-cuda/fattn-vec.cuh").read_text()
     case = c_body(vec, "void ggml_cuda_flash_attn_ext_vec_case(")
     one = case[case.index("if (Q->ne[1] == 1) {") : case.index("constexpr int cols_per_block = 2;")]
-    assert 'ggml_cuda_mc_env_int("MC_FATTN_SKIP_MASKED", 0, 1, 0) == 1' in one
+    assert 'ggml_cuda_mc_env_int("MC_FATTN_SKIP_MASKED", 0, 1, 1) == 1' in one  # default on
     assert "if (mc_skip && dst->src[3] != nullptr) {" in one
     assert "use_logit_softcap, true>(ctx, dst);" in one
     assert one.index("constexpr bool use_logit_softcap = false;") < one.index("mc_skip")
