@@ -2,7 +2,8 @@
 """One results file from what a session's device calls brought back: side_by_side.sh's summary.json (its
 figures at the top level: the issue's keys such as tg_tok_s_stock, verify_ms_patched, pause_ms_32k, with
 the GPU, the commit and the series), and beside it every warm_repeats.py JSON (under "warm", by file
-name: the draws, the summary, the command) and step_trace.py comparisons (under "trace_compare"), with
+name: the draws, the summary, the command), step_trace.py traces (under "trace") and comparisons (under
+"trace_compare"), with
 the date, what was measured, the commands and the device seconds used. Written to a temp name, then
 renamed.
 
@@ -10,8 +11,9 @@ usage: python3 bench/gpu/results_file.py --out bench/results/DATE-h200-NAME.json
            --command "..." [--device-seconds N] [--note "..."] FILE.json ...
 
 A FILE is recognized by its content: a summary (it has "builds" or "tg_tok_s_patched"), a warm_repeats
-JSON ("kind": "warm_repeats") or a trace comparison (anything else, kept by file name under
-"trace_compare"). Two summaries are refused (which one's figures would be the file's?)."""
+JSON ("kind": "warm_repeats"), a step trace (it has "by_name" and "span_us_median") or a trace
+comparison (anything else, kept by file name under "trace_compare"). Two summaries are refused (which
+one's figures would be the file's?)."""
 
 from __future__ import annotations
 
@@ -27,12 +29,14 @@ def kind_of(data: object) -> str:
         return "warm"
     if isinstance(data, dict) and ("builds" in data or "tg_tok_s_patched" in data):
         return "summary"
+    if isinstance(data, dict) and "by_name" in data and "span_us_median" in data:
+        return "trace"
     return "trace_compare"
 
 
 def build(files: list[Path], what: str, command: str, device_seconds: int | None, note: str | None) -> dict:
     res: dict = {}
-    extra: dict[str, dict] = {"warm": {}, "trace_compare": {}}
+    extra: dict[str, dict] = {"warm": {}, "trace": {}, "trace_compare": {}}
     summaries = []
     for f in files:
         try:

@@ -18,13 +18,16 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 def test_the_files_are_merged_by_kind(tmp_path):
     summary = {"gpu": "NVIDIA H200", "commit": "abc", "tg_tok_s_stock": 102.7, "tg_tok_s_patched": 180.1,
-               "pause_ms_32k": 44.2, "builds": {}, "settings_per_call": ["MC_NORM_PRO=1"]}  # fmt: skip
+               "pause_ms_32k": 44.2, "builds": {}, "settings_per_call": ["MC_GDN_ONE=0"]}  # fmt: skip
     warm = {"kind": "warm_repeats", "summary": {"on": {}}, "command": "warm_repeats.py ..."}
     compare = {"np1": {"span_delta_us": -120.0}}
-    for name, data in (("summary", summary), ("warm", warm), ("warm32k", warm), ("trace_compare", compare)):
+    trace = {"by_name": [], "span_us_median": 6530.0, "steps": 70}
+    named = {"summary": summary, "warm": warm, "warm32k": warm, "trace_compare": compare}
+    named["trace_defaults"] = trace
+    for name, data in named.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
     out = tmp_path / "res.json"
-    files = [str(tmp_path / f"{n}.json") for n in ("summary", "warm", "warm32k", "trace_compare")]
+    files = [str(tmp_path / f"{n}.json") for n in named]
     res = run(
         "--out", str(out), "--what", "run CI", "--command", "calls.sh ...", "--device-seconds", "1700", *files
     )
@@ -38,7 +41,8 @@ def test_the_files_are_merged_by_kind(tmp_path):
         set(data["warm"]) == {"warm", "warm32k"} and data["warm"]["warm"]["command"] == "warm_repeats.py ..."
     )
     assert data["trace_compare"] == {"trace_compare": compare}
-    assert "settings_per_call=['MC_NORM_PRO=1']" in res.stdout
+    assert data["trace"] == {"trace_defaults": trace}  # a step trace is not a comparison
+    assert "settings_per_call=['MC_GDN_ONE=0']" in res.stdout
     assert not (tmp_path / "res.json.tmp").exists()
 
 

@@ -143,7 +143,7 @@ def test_a_tree_that_differs_from_its_commit_is_said_so(tmp_path):
     (st / "steps.log").write_text(
         "[02:15:44 +1s] === call start\n[02:15:46 +3s] build started (arch 90, series 4253783c13c234c3aa)\n"
         "[02:25:44 +0s] === call start in /r (commit 5b548dcac3), deadline 570s, settings: none\n"
-        "[02:35:44 +0s] === call start in /r (commit 5b548dcac3), deadline 570s, settings: MC_NORM_PRO=1 \n"
+        "[02:35:44 +0s] === call start in /r (commit 5b548dcac3), deadline 570s, settings: MC_GDN_ONE=0 \n"
     )
     out = tmp_path / "summary.json"
     run = subprocess.run(
@@ -154,7 +154,7 @@ def test_a_tree_that_differs_from_its_commit_is_said_so(tmp_path):
     assert res["commit"] == "5b548dcac3"
     assert res["tree_changes"] == [" M ggml-patches/series", "?? drv.sh"]
     assert res["series_hash"] == "4253783c13c234c3aa"
-    assert res["settings_per_call"] == ["none", "MC_NORM_PRO=1"]  # each call's exported MC_ settings
+    assert res["settings_per_call"] == ["none", "MC_GDN_ONE=0"]  # each call's exported MC_ settings
     assert "commit 5b548dcac3 (+2 changed files: see tree_changes)  series 4253783c13c234c3" in run.stdout
     (st / "env.txt").write_text("2026-12-02T02:15:44Z\ncommit 5b548dcac3\n" + nvidia)
     (st / "steps.log").unlink()
