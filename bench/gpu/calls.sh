@@ -16,7 +16,9 @@
 #                            (a comma list, default MUL_MAT) under it, warm rounds alternating the two
 #                            (MC_CALLS_ROUNDS, default 8, tg at 0 / 4k: $OUT/warm.json; then 3 rounds at 32k
 #                            and verify 1 / 16: $OUT/warm32k.json), and the step traces of both lined up
-#                            ($OUT/trace_compare.json: {NAME: comparison}). Uses the state's build where it
+#                            ($OUT/trace_compare.json: {NAME: comparison}; MC_CALLS_TRACE_K=16: one
+#                            sequence's 16-token verify steps at depth 512 traced instead, the defaults'
+#                            trace in $OUT/trace_on-k16.json). Uses the state's build where it
 #                            holds this series (after `sbs`), else builds the patched tree alone.
 #   settings OPS NAME=VAR=VAL[,...] NAME2=... ...
 #                            the same for several settings at once: each one's logits and OPS, the
@@ -87,6 +89,11 @@ case $PLAN in
       export "MC_SBS_VARIANT_OPS_v$NAME=$OPS"
       WARMSET+=(--setting "$NAME=$SETTINGS")
     done
+    TK=${MC_CALLS_TRACE_K:-1}  # the traced steps: 1 decode steps, K one sequence's K-token verify steps
+    case $TK in '' | *[!0-9]* | 0*)
+      echo "MC_CALLS_TRACE_K: expected a whole number >= 1 (1: decode steps, K: K-token verify steps), got '$TK'"
+      exit 2 ;;
+    esac
     KEY=$(IFS=-; echo "${NAMES[*]}")  # the phases' markers: this list of settings
     mkdir -p "$OUT" "$S"
     # a state holding this series' builds with stock (after sbs) is used as it is; else the patched build alone
@@ -104,19 +111,25 @@ case $PLAN in
     phase "warm32k-$KEY" 100 "${WARM[@]}" --rounds 3 --measure tg:32768:32 --measure verify:512:1:1,16 \
       --json "$OUT/warm32k.json" --deadline "$(within $((30 + 30 * ${#NAMES[@]})))"
     TRACE=(python3 "$ROOT/bench/gpu/step_trace.py" trace --bench "$BENCH" --model "$MODEL" --tokens 64)
-    phase trace-on 40 "${TRACE[@]}" --json "$S/trace-on.json" --csv "$S/trace-on.csv"
+    TS=  # the traces' and markers' suffix: none for decode steps
+    [ "$TK" = 1 ] || { TRACE+=(--k "$TK" --depth 512); TS=-k$TK; }
+    phase "trace-on$TS" 40 "${TRACE[@]}" --json "$S/trace-on$TS.json" --csv "$S/trace-on$TS.csv"
     for ARG in "${ARGS[@]}"; do
       NAME=${ARG%%=*} SETTINGS=${ARG#*=}
       TSET=(); for kv in ${SETTINGS//,/ }; do TSET+=(--setting "$kv"); done
-      phase "trace-$NAME" 40 "${TRACE[@]}" "${TSET[@]}" --json "$S/trace-$NAME.json" --csv "$S/trace-$NAME.csv"
-      phase "compare-$NAME" 10 python3 "$ROOT/bench/gpu/step_trace.py" compare "$S/trace-on.json" \
-        "$S/trace-$NAME.json" --json "$S/compare-$NAME.json"
+      phase "trace-$NAME$TS" 40 "${TRACE[@]}" "${TSET[@]}" --json "$S/trace-$NAME$TS.json" \
+        --csv "$S/trace-$NAME$TS.csv"
+      phase "compare-$NAME$TS" 10 python3 "$ROOT/bench/gpu/step_trace.py" compare "$S/trace-on$TS.json" \
+        "$S/trace-$NAME$TS.json" --json "$S/compare-$NAME$TS.json"
     done
-    # one file back for all of them (the device tool brings back at most 8): {name: the comparison}
-    python3 - "$OUT/trace_compare.json" "$S" "${NAMES[@]}" <<'PY'
+    # one file back for all of them (the device tool brings back at most 8): {name: the comparison}, and
+    # the defaults' own trace of verify steps (there is no sbs trace of those)
+    [ -z "$TS" ] || cp "$S/trace-on$TS.json" "$OUT/trace_on$TS.json"
+    python3 - "$OUT/trace_compare.json" "$S" "$TS" "${NAMES[@]}" <<'PY'
 import json, pathlib, sys
-out, state, names = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3:]
-found = {n: json.loads((state / f"compare-{n}.json").read_text()) for n in names if (state / f"compare-{n}.json").exists()}
+out, state, ts, names = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3], sys.argv[4:]
+files = {n: state / f"compare-{n}{ts}.json" for n in names}
+found = {n: json.loads(f.read_text()) for n, f in files.items() if f.exists()}
 out.write_text(json.dumps(found, indent=1) + "\n")
 PY
     ;;

@@ -10,7 +10,10 @@ usage (on the GPU machine, after bench/gpu/side_by_side.sh has built the patched
 
   python3 bench/gpu/step_trace.py trace --bench /tmp/mcs/patched/mc_gpu_bench \\
       --model /tmp/mcs/random-27b-q4_0.gguf --tokens 64 --json $OUT/trace.json \\
-      [--setting VAR=VALUE ...] [--csv $OUT/trace.csv]
+      [--setting VAR=VALUE ...] [--csv $OUT/trace.csv] [--k 16 --depth 512]
+
+--k K > 1 traces one sequence's K-token verify steps (all logits) instead of one-token decode steps:
+`mc_gpu_bench verify MODEL DEPTH 1 K`, 3 warm-up and 20 timed steps (--tokens unused).
 
 or in parts: `build --out SO` (the CUPTI library, found beside the CUDA toolkit or in the
 nvidia-cuda-cupti wheel), `run --so SO --csv CSV -- PROGRAM ARGS...`, `report --csv CSV --json OUT`;
@@ -91,6 +94,18 @@ def run(so: Path, out_csv: Path, argv: list[str], env_extra: dict[str, str] | No
     env = dict(os.environ, CUDA_INJECTION64_PATH=str(so), MC_TRACE_OUT=str(out_csv))
     env.update(env_extra or {})
     return subprocess.run(argv, env=env).returncode
+
+
+def program_argv(bench: Path, model: Path, depth: int, tokens: int, k: int) -> list[str]:
+    """The traced program's command: `tokens` one-token decode steps (k = 1) or one sequence's k-token
+    verify steps with all logits (mc_gpu_bench verify: 3 warm-up and 20 timed steps)."""
+    if k < 1 or depth < 0 or tokens < 1:
+        raise SystemExit(
+            f"step_trace: --k {k}, --depth {depth}, --tokens {tokens}: need k >= 1, depth >= 0, tokens >= 1"
+        )
+    if k == 1:
+        return [str(bench), "tg", str(model), str(depth), str(tokens)]
+    return [str(bench), "verify", str(model), str(depth), "1", str(k)]
 
 
 # ---- the report ----
@@ -313,6 +328,9 @@ def main() -> None:
             p.add_argument("--model", type=Path, required=True)
             p.add_argument("--depth", type=int, default=0)
             p.add_argument("--tokens", type=int, default=64)
+            p.add_argument(
+                "--k", type=int, default=1, help="tokens a step: 1 decode steps, K > 1 verify steps"
+            )
             p.add_argument("--setting", action="append", default=[], help="VAR=VALUE for the traced run")
     a = ap.parse_args()
     if a.cmd == "build":
@@ -337,13 +355,15 @@ def main() -> None:
             if not sep or not var:
                 raise SystemExit(f"--setting {s!r}: expected VAR=VALUE")
             env[var] = val
+        argv = program_argv(a.bench, a.model, a.depth, a.tokens, a.k)
         if not a.so.is_file():
             build(a.so)
-        argv = [str(a.bench), "tg", str(a.model), str(a.depth), str(a.tokens)]
         rc = run(a.so, a.csv, argv, env)
         if rc != 0:
             raise SystemExit(f"step_trace: {' '.join(argv)} exited with {rc}")
-        meta.update(settings=env, bench=str(a.bench), model=str(a.model), depth=a.depth, tokens=a.tokens)
+        meta.update(
+            settings=env, bench=str(a.bench), model=str(a.model), depth=a.depth, tokens=a.tokens, k=a.k
+        )
     rep = report(read_steps(a.csv, a.min_kernels), a.skip)
     rep.update(meta)
     a.json.write_text(json.dumps(rep, indent=1))

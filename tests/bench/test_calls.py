@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu" / "calls.sh"
 
 
-def call(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "MC_STATE": str(tmp_path / "state")}
+def call(tmp_path: Path, *args: str, **extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "MC_STATE": str(tmp_path / "state"), **extra}
     return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True)
 
 
@@ -33,6 +33,10 @@ def test_bad_plans_and_settings_are_refused_before_anything_runs(tmp_path):
         res = call(tmp_path, *args)
         assert res.returncode == 2, (args, res.stdout, res.stderr)
         assert message in res.stdout, (args, res.stdout)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "state").exists()
+    for bad in ("0", "x", "-1", "016"):  # the traced steps' tokens
+        res = call(tmp_path, "setting", "fs=MC_A=1", MC_CALLS_TRACE_K=bad)
+        assert res.returncode == 2 and "MC_CALLS_TRACE_K: expected a whole number >= 1" in res.stdout, bad
     assert not (tmp_path / "out").exists() and not (tmp_path / "state").exists()
 
 

@@ -184,3 +184,16 @@ def test_compare_lines_up_the_steps_and_names_where_the_left_out_kernels_time_we
     cmd = [sys.executable, str(SCRIPT), "compare", str(a_json), str(b_json), "--json", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, check=True)
     assert "kernels only one runs" in res.stdout and json.loads(out.read_text())["span_delta_us"] == -2.0
+
+
+def test_the_traced_program_is_decode_steps_or_one_sequences_verify_steps(tmp_path):
+    program_argv = load().program_argv
+    assert program_argv(Path("b"), Path("m"), 0, 64, 1) == ["b", "tg", "m", "0", "64"]
+    assert program_argv(Path("b"), Path("m"), 512, 64, 16) == ["b", "verify", "m", "512", "1", "16"]
+    with pytest.raises(SystemExit, match="--k 0, --depth 0, --tokens 64: need k >= 1"):
+        program_argv(Path("b"), Path("m"), 0, 64, 0)
+    # a bad --k is refused before anything is built or run
+    so = tmp_path / "none.so"
+    argv = [sys.executable, str(SCRIPT), "trace", "--json", str(tmp_path / "j"), "--bench", "b", "--model"]
+    out = subprocess.run([*argv, "m", "--k", "-2", "--so", str(so)], capture_output=True, text=True)
+    assert out.returncode != 0 and "--k -2" in out.stderr and not so.exists()
