@@ -8,7 +8,9 @@
 #
 #   sbs                      stock against patched at the defaults (bench/gpu/side_by_side.sh: builds,
 #                            decode at 0 / 4k / 32k, verify, 12 sequences, test-backend-ops, the engine's
-#                            pause / resume unless MC_SBS_ENGINE=0), then a step trace of the defaults
+#                            pause / resume unless MC_SBS_ENGINE=0; the patched verify also with the
+#                            repacked copies the engine uses, verify16_over_1_patched-vcopies, unless
+#                            MC_SBS_VARIANTS is set), then a step trace of the defaults
 #                            ($OUT/trace_defaults.json). Two calls of ~570 s on a fresh machine.
 #   setting NAME=VAR=VAL[,VAR=VAL...] [OPS]
 #                            one setting of the patched build against its defaults: logits under it (the
@@ -58,6 +60,11 @@ phase() {  # name, seconds it needs, command...: once per state (a marker), skip
 case $PLAN in
   sbs)
     mkdir -p "$OUT" "$S"
+    # the issue's verify figure as the engine runs it: the patched build's verify 1..16 also with the
+    # weights' repacked copies (repacked_weights=auto sets MC_MMH_REPACK=3), unless variants are given
+    if [ -z "${MC_SBS_VARIANTS+x}" ]; then
+      export MC_SBS_VARIANTS=vcopies:MC_MMH_REPACK=3 MC_SBS_VARIANT_MEASURE_vcopies=verify1
+    fi
     sbs; rc=$?
     [ $rc = 0 ] || exit $rc
     phase trace-defaults 90 python3 "$ROOT/bench/gpu/step_trace.py" trace --bench "$BENCH" --model "$MODEL" \

@@ -42,3 +42,29 @@ def test_bad_plans_and_settings_are_refused_before_anything_runs(tmp_path):
 
 def test_the_script_parses():
     assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
+
+
+def test_the_side_by_side_measures_the_engines_verify_with_the_copies_unless_variants_are_given(tmp_path):
+    # calls.sh runs bench/gpu/side_by_side.sh of the folder it is called from: a stand-in that records
+    # the variants it was asked for and fails, so the plan stops there
+    root = tmp_path / "root"
+    (root / "bench" / "gpu").mkdir(parents=True)
+    seen = tmp_path / "seen.txt"
+    (root / "bench" / "gpu" / "side_by_side.sh").write_text(
+        f'echo "$MC_SBS_VARIANTS|${{MC_SBS_VARIANT_MEASURE_vcopies:-}}" > {seen}\nexit 7\n'
+    )
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "MC_STATE": str(tmp_path / "state")}
+    env.pop("MC_SBS_VARIANTS", None)
+    res = subprocess.run(
+        ["bash", str(SCRIPT), "sbs", "300"], cwd=root, env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 7, res.stdout + res.stderr
+    assert seen.read_text() == "vcopies:MC_MMH_REPACK=3|verify1\n"
+    res = subprocess.run(
+        ["bash", str(SCRIPT), "sbs", "300"],
+        cwd=root,
+        env={**env, "MC_SBS_VARIANTS": ""},
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 7 and seen.read_text() == "|\n"  # set (even empty): the caller's choice

@@ -189,6 +189,8 @@ def test_verify_draws_give_the_median_and_each_draws_ratio(tmp_path):
     assert f"verify16_over_1_draws_patched: {res['verify16_over_1_draws_patched']}" in run.stdout
     # one draw: the figure as measured, no draws kept
     assert res["verify_ms_patched-va"] == {"1": 6.0, "16": 9.0}
+    # a setting's ratio (calls.sh sbs: vcopies, the engine's repacked copies) beside the defaults'
+    assert res["verify16_over_1_patched-va"] == 1.5 and "verify16_over_1_patched-va: 1.5" in run.stdout
     assert "verify1_draws_ms" not in res["builds"]["patched-va"]
     assert "verify16_over_1_draws_patched-va" not in res
 
