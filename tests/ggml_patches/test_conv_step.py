@@ -79,8 +79,8 @@ def test_the_conv_step_is_fused_only_where_nothing_is_shared(patched):
     # the SiLU's output on the token's memory element for element (what the allocator does in the
     # model: tests/ggml_patches/test_conv_step_graph.py), otherwise apart
     assert (
-        "const bool silu_on_x = silu->data == x->data && x->nb[1] == fs && silu->nb[2] == x->nb[2];" in fuse
-    )
+        "const bool silu_on_x = silu->data == x->data && x->nb[1] == fs && silu->nb[2] == x->nb[2] &&" in fuse
+    )  # (and, for several tokens (patch 0063), the same token stride)
     assert "!(silu_on_x || mc_disjoint(silu, x))" in fuse
     assert (
         "if (!(in_place || mc_disjoint(dst, state)) || !mc_disjoint(dst, x) || !mc_disjoint(dst, w)" in fuse
