@@ -36,10 +36,13 @@ def test_the_conv_step_reads_its_window_before_writing_and_sums_as_stock(patched
             "sumf += win[j] * wc[j];",
             "sumf += 0.0f;  // ssm_conv_f32's bias term without a bias",
             "y[s * y_nb2 + c] = ggml_cuda_op_silu_single(sumf);",
-            "mc_gdn_gate_one(gates.alpha, gates.dt, gates.a, gates.beta_raw, gates.g, gates.beta, i, "
-            "gates.heads);",
+            "if (mc_conv_gates_part(gates, channels)) {",
         ),
     )
+    # the gates' blocks (a helper shared with patch 0063's several-token kernel)
+    gates = c_body(source, "static __device__ __forceinline__ bool mc_conv_gates_part(")
+    assert "mc_gdn_gate_one(gates.alpha, gates.dt, gates.a, gates.beta_raw, gates.g, gates.beta, i, " in gates
+    assert gates.index("ggml_cuda_pdl_sync();") < gates.index("mc_gdn_gate_one(")
     stock = c_body(source, "static __global__ void ssm_conv_f32(")
     assert_statements(
         stock,

@@ -87,8 +87,7 @@ def test_the_kernel_reads_before_it_writes_and_sums_as_the_emulation(patched):
             "sumf += win[j] * wc[j];",
             "sumf += 0.0f;  // ssm_conv_f32's bias term without a bias",
             "yc[t * y_nb1] = ggml_cuda_op_silu_single(sumf);",
-            "mc_gdn_gate_one(gates.alpha, gates.dt, gates.a, gates.beta_raw, gates.g, gates.beta, i, "
-            "gates.heads);",
+            "if (mc_conv_gates_part(gates, channels)) {",  # the gates' blocks, as patch 0057's kernel
         ),
     )
     # the launcher: the several-token kernel for n_t > 1, patch 0057's unchanged for one token

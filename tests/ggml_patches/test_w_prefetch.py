@@ -22,6 +22,8 @@ REQUESTS = (
      "ggml_cuda_mc_prefetch_l2(w_block, (int) (split_d_inner * src1_nb1));"),
     ("ssm-conv.cu", "static __global__ void mc_conv_step(",
      "ggml_cuda_mc_prefetch_l2(state + s * st_nb2 + (int64_t) blockIdx.x * blockDim.x * st_nb1,"),
+    ("ssm-conv.cu", "static __global__ void mc_conv_steps(",  # patch 0063's several-token form
+     "ggml_cuda_mc_prefetch_l2(state + s * st_nb2 + (int64_t) blockIdx.x * blockDim.x * st_nb1,"),
     ("gated_delta_net.cu", "static __global__ void mc_gdn_gates(",
      "ggml_cuda_mc_prefetch_l2(dt, heads * (int) sizeof(float));"),
 )  # fmt: skip
