@@ -3,9 +3,8 @@
 figures at the top level: the issue's keys such as tg_tok_s_stock, verify_ms_patched, pause_ms_32k, with
 the GPU, the commit and the series), and beside it every warm_repeats.py JSON (under "warm", by file
 name: the draws, the summary, the command), step_trace.py traces (under "trace") and comparisons (under
-"trace_compare"), with
-the date, what was measured, the commands and the device seconds used. Written to a temp name, then
-renamed.
+"trace_compare"), with the date, what was measured, the commands and the device seconds used. Written
+to a temp name, then renamed.
 
 usage: python3 bench/gpu/results_file.py --out bench/results/DATE-h200-NAME.json --what "..." \\
            --command "..." [--device-seconds N] [--note "..."] FILE.json ...

@@ -11,9 +11,13 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu" / "calls.sh"
 
 
-def call(tmp_path: Path, *args: str, **extra: str) -> subprocess.CompletedProcess:
+def call(tmp_path: Path, *args: str, cwd: Path = ROOT, **extra: str) -> subprocess.CompletedProcess:
+    """calls.sh ARGS from cwd with OUT and MC_STATE under tmp_path, the environment's MC_SBS_VARIANTS
+    left out, and extra variables."""
     env = {**os.environ, "OUT": str(tmp_path / "out"), "MC_STATE": str(tmp_path / "state"), **extra}
-    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    if "MC_SBS_VARIANTS" not in extra:
+        env.pop("MC_SBS_VARIANTS", None)
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=cwd, env=env, capture_output=True, text=True)
 
 
 def test_bad_plans_and_settings_are_refused_before_anything_runs(tmp_path):
@@ -53,18 +57,8 @@ def test_the_side_by_side_measures_the_engines_verify_with_the_copies_unless_var
     (root / "bench" / "gpu" / "side_by_side.sh").write_text(
         f'echo "$MC_SBS_VARIANTS|${{MC_SBS_VARIANT_MEASURE_vcopies:-}}" > {seen}\nexit 7\n'
     )
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "MC_STATE": str(tmp_path / "state")}
-    env.pop("MC_SBS_VARIANTS", None)
-    res = subprocess.run(
-        ["bash", str(SCRIPT), "sbs", "300"], cwd=root, env=env, capture_output=True, text=True
-    )
+    res = call(tmp_path, "sbs", "300", cwd=root)
     assert res.returncode == 7, res.stdout + res.stderr
     assert seen.read_text() == "vcopies:MC_MMH_REPACK=3|verify1\n"
-    res = subprocess.run(
-        ["bash", str(SCRIPT), "sbs", "300"],
-        cwd=root,
-        env={**env, "MC_SBS_VARIANTS": ""},
-        capture_output=True,
-        text=True,
-    )
+    res = call(tmp_path, "sbs", "300", cwd=root, MC_SBS_VARIANTS="")
     assert res.returncode == 7 and seen.read_text() == "|\n"  # set (even empty): the caller's choice
