@@ -1,4 +1,4 @@
-"""Patch 0063 (MC_FUSE_CONV_TOKENS, off by default until measured): patch 0057's conv step in one launch
+"""Patch 0063 (MC_FUSE_CONV_TOKENS, on by default since run CJ; 0: off): patch 0057's conv step in one launch
 for 2..32 tokens of each sequence (a 16-token verify step runs it as four launches: the window's
 CONCAT, the CPY of its last 3 columns into the cache, SSM_CONV + SiLU, the gates). Thread c slides a
 window over its channel's tokens; stock's ssm_conv_f32 keeps the same window as a ring buffer. Checked
@@ -6,7 +6,7 @@ here: that both hand each token's taps the same values in the same order and lea
 (an emulation of both index schemes), the kernel's statements, the guard's conditions, and that the
 kernel compiles for both targets without spills; the real graph's 16-token shapes are checked in
 tests/ggml_patches/test_conv_step_graph.py. The GPU run compares it with the CPU backend
-(test-backend-ops MC_CONV_STEP under the setting) and the logits with it off."""
+(test-backend-ops MC_CONV_STEP) and the logits with it off (run CJ: the same bytes)."""
 
 from __future__ import annotations
 
@@ -102,10 +102,10 @@ def test_the_kernel_reads_before_it_writes_and_sums_as_the_emulation(patched):
     assert "concat->ne[0] >= 4 && concat->ne[0] <= 3 + 32" in fits
 
 
-def test_the_guard_takes_several_tokens_only_under_the_setting_and_with_their_shapes(patched):
+def test_the_guard_takes_several_tokens_by_default_and_only_with_their_shapes(patched):
     main = (patched / "ggml/src/ggml-cuda/ggml-cuda.cu").read_text()
     fuse = c_body(main, "static int mc_try_conv_step(")
-    assert 'ggml_cuda_mc_env_int("MC_FUSE_CONV_TOKENS", 0, 1, 0) == 1' in fuse  # off until measured
+    assert 'ggml_cuda_mc_env_int("MC_FUSE_CONV_TOKENS", 0, 1, 1) == 1' in fuse  # on since run CJ; 0: off
     assert "if (!(n_t == 1 || (tokens_on && n_t >= 2 && n_t <= 32)) || x->nb[0] % fs != 0) {" in fuse
     assert "cat->ne[0] != nc - 1 + n_t" in fuse and "tail->view_offs != n_t * fs" in fuse
     assert "conv->ne[1] != n_t" in fuse and "silu->nb[1] % fs != 0" in fuse
