@@ -25,7 +25,15 @@
 #   settings OPS NAME=VAR=VAL[,...] NAME2=... ...
 #                            the same for several settings at once: each one's logits and OPS, the
 #                            defaults and all of them alternating in the same rounds, each one's trace
-#                            against the defaults ($OUT/trace_compare.json: {name: comparison})
+#                            against the defaults ($OUT/trace_compare.json: {name: comparison}); a
+#                            setting's logits also against each setting whose VAR=VAL are a part of its
+#                            own (logits_patched_vNAME_vs_patched_vNAME2: name the copies alone beside the
+#                            copies with a change, and the change's bytes are told apart from the copies')
+#
+#   MC_CALLS_LEAN=1 (setting / settings): after the logits and OPS, only one sequence's verify at depth
+#   512 (1 and 16 tokens) in MC_CALLS_ROUNDS (default 4) alternating rounds ($OUT/warmv.json), no decode
+#   rounds, no traces: one fresh-machine call (~275 s build + ~60 s a round of three settings) for a
+#   session whose refused tries left ~500 s (run CJ)
 #
 # Needs .device/ as side_by_side.sh does (python3 bench/gpu/prepare_device.py). MC_STATE as there
 # (default /tmp/mcs). The plan's commands go to $OUT/calls.log.
@@ -101,6 +109,8 @@ case $PLAN in
       echo "MC_CALLS_TRACE_K: expected a whole number >= 1 (1: decode steps, K: K-token verify steps), got '$TK'"
       exit 2 ;;
     esac
+    LEAN=${MC_CALLS_LEAN:-0}
+    case $LEAN in 0 | 1) ;; *) echo "MC_CALLS_LEAN: expected 0 or 1 (1: verify rounds only), got '$LEAN'"; exit 2 ;; esac
     KEY=$(IFS=-; echo "${NAMES[*]}")  # the phases' markers: this list of settings
     mkdir -p "$OUT" "$S"
     # a state holding this series' builds with stock (after sbs) is used as it is; else the patched build alone
@@ -113,6 +123,12 @@ case $PLAN in
     [ $rc = 0 ] || exit $rc
     WARM=(python3 "$ROOT/bench/gpu/warm_repeats.py" --bench "$BENCH" --model "$MODEL" "${WARMSET[@]}")
     within() { local d=$(($(left) - $1)); echo $((d < 30 ? 30 : d)); }  # a round deadline, keeping $1 s
+    if [ "$LEAN" = 1 ]; then
+      phase "warmv-$KEY" 60 "${WARM[@]}" --rounds "${MC_CALLS_ROUNDS:-4}" --measure verify:512:1:1,16 \
+        --json "$OUT/warmv.json" --deadline "$(within 10)"
+      log "plan $PLAN done (lean)"
+      exit 0
+    fi
     phase "warm-$KEY" 120 "${WARM[@]}" --rounds "${MC_CALLS_ROUNDS:-8}" --measure tg:0,4096:64 \
       --json "$OUT/warm.json" --deadline "$(within $((90 + 60 * ${#NAMES[@]})))"
     phase "warm32k-$KEY" 100 "${WARM[@]}" --rounds 3 --measure tg:32768:32 --measure verify:512:1:1,16 \

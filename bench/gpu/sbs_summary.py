@@ -177,6 +177,17 @@ def stall_reasons(metrics: dict) -> list:
     return sorted(out, key=lambda x: -x[1])
 
 
+def variants_below(state: Path) -> dict[str, list[str]]:
+    """For each setting of the patched build (side_by_side.sh logs "variant NAME: VAR=VAL+VAR=VAL"), the
+    settings whose VAR=VAL are a strict part of its own: vct (MC_FUSE_CONV_TOKENS=1+MC_MMH_REPACK=3) adds
+    to vcopies (MC_MMH_REPACK=3), so its logits against vcopies' tell what the added setting changes."""
+    log = (state / "steps.log").read_text() if (state / "steps.log").exists() else ""
+    sets: dict[str, frozenset[str]] = {}
+    for name, settings in re.findall(r"variant (v\w+): (\S+)$", log, re.M):
+        sets[name] = frozenset(settings.split("+"))  # the last call's, where calls differ
+    return {v: sorted(w for w in sets if sets[w] < sets[v]) for v in sets}
+
+
 def compare_logits(state: Path, build: str = "patched", ref: str = "stock") -> dict | None:
     """Teacher-forced logits of two builds or settings (mc_gpu_bench logits), build against ref:
     relative L2 error per row, whether the argmax agrees and whether the files are the same bytes (a
@@ -288,10 +299,16 @@ def main() -> None:
             ratios[key] = round(p / s, 3)
     res["patched_over_stock"] = ratios
     res["logits_patched_vs_stock"] = compare_logits(st)
+    below = variants_below(st)
     for v in variants:
         res[f"logits_patched_{v}_vs_stock"] = compare_logits(st, f"patched-{v}")
         # a setting against the patched build's defaults (patched-only runs have no stock logits)
         res[f"logits_patched_{v}_vs_patched"] = compare_logits(st, f"patched-{v}", "patched")
+        # and against each setting it adds to (run CJ: 0063 with the copies against the defaults differed
+        # by the copies alone, which only a hand check against the copies could tell)
+        for w in variants:
+            if w in below.get(v, ()):
+                res[f"logits_patched_{v}_vs_patched_{w}"] = compare_logits(st, f"patched-{v}", f"patched-{w}")
         f = builds[f"patched-{v}"]
         res[f"tg_tok_s_patched_{v}"] = f.get("tg_depth_0_tok_s")
         res[f"tg32k_tok_s_patched_{v}"] = f.get("tg_depth_32768_tok_s")

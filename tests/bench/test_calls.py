@@ -62,3 +62,31 @@ def test_the_side_by_side_measures_the_engines_verify_with_the_copies_unless_var
     assert seen.read_text() == "vcopies:MC_MMH_REPACK=3|verify1\n"
     res = call(tmp_path, "sbs", "300", cwd=root, MC_SBS_VARIANTS="")
     assert res.returncode == 7 and seen.read_text() == "|\n"  # set (even empty): the caller's choice
+
+
+def test_a_lean_plan_runs_the_verify_rounds_alone_and_a_bad_lean_value_is_refused(tmp_path):
+    res = call(tmp_path, "setting", "ct=MC_A=1", "300", MC_CALLS_LEAN="2")
+    assert res.returncode == 2
+    assert "MC_CALLS_LEAN: expected 0 or 1 (1: verify rounds only), got '2'" in res.stdout
+    assert not (tmp_path / "out").exists() and not (tmp_path / "state").exists()
+    # stand-ins for the scripts calls.sh runs from the folder it is called from: the side-by-side
+    # succeeds, the rounds and the traces record their arguments
+    root = tmp_path / "root"
+    (root / "bench" / "gpu").mkdir(parents=True)
+    ran = tmp_path / "ran.txt"
+    (root / "bench" / "gpu" / "side_by_side.sh").write_text("exit 0\n")
+    for name in ("warm_repeats.py", "step_trace.py"):
+        (root / "bench" / "gpu" / name).write_text(
+            f"import sys\nopen({str(ran)!r}, 'a').write({name!r} + ' ' + ' '.join(sys.argv[1:]) + '\\n')\n"
+        )
+    args = ("settings", "MC_CONV_STEP", "copies=MC_MMH_REPACK=3", "ct=MC_A=1,MC_MMH_REPACK=3", "300")
+    res = call(tmp_path, *args, cwd=root, MC_CALLS_LEAN="1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = ran.read_text().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warm_repeats.py "), lines
+    assert "--setting on= --setting copies=MC_MMH_REPACK=3 --setting ct=MC_A=1,MC_MMH_REPACK=3" in lines[0]
+    assert "--rounds 4 --measure verify:512:1:1,16 --json " + str(tmp_path / "out" / "warmv.json") in lines[0]
+    assert "plan settings done (lean)" in res.stdout
+    # called again (a call cut short asks for that), the finished rounds are not run twice
+    res = call(tmp_path, *args, cwd=root, MC_CALLS_LEAN="1")
+    assert res.returncode == 0 and len(ran.read_text().splitlines()) == 1

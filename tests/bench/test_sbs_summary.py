@@ -231,3 +231,41 @@ def test_logits_of_a_run_that_stopped_are_reported_not_compared(tmp_path):
     assert res["logits_patched_vr_vs_patched"]["rel_l2_max"] == 0.0
     assert res["logits_patched_vr_vs_patched"]["same_bytes"] is True
     assert res["tg_tok_s_patched"] == 120.0
+
+
+def test_a_setting_is_also_compared_with_each_setting_it_adds_to(tmp_path):
+    # run CJ: 0063 with the copies (vct) against the defaults differed by what the copies change; against
+    # the copies alone (vcopies, whose settings are a strict part of vct's) its logits are the same bytes
+    import numpy as np
+
+    st = tmp_path / "state"
+    st.mkdir()
+    make_state(st)
+    n_vocab, rows = 8, 3
+    line = json.dumps({"kind": "logits", "rows": rows, "n_vocab": n_vocab}) + "\n"
+    ref = np.arange(rows * n_vocab, dtype=np.float32) + 1
+    copies = ref * np.float32(1.001)
+    for name, values in (("patched", ref), ("patched-vcopies", copies), ("patched-vct", copies)):
+        (st / f"{name}-logits.out").write_text(line)
+        values.tofile(st / f"{name}-logits.bin")
+    (st / "patched-vo-logits.out").write_text(line)  # the added setting alone: a part of vct, not of vcopies
+    ref.tofile(st / "patched-vo-logits.bin")
+    with (st / "steps.log").open("a") as log:
+        log.write("[20:32:32 +301s] variant vcopies: MC_MMH_REPACK=3\n")
+        log.write("[20:32:32 +301s] variant vct: MC_FUSE_CONV_TOKENS=1+MC_MMH_REPACK=3\n")
+        log.write("[20:32:40 +309s] variant vo: MC_FUSE_CONV_TOKENS=1\n")
+    out = tmp_path / "summary.json"
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), str(st), "--out", str(out)], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+    res = json.loads(out.read_text())
+    assert res["logits_patched_vct_vs_patched"]["same_bytes"] is False
+    assert res["logits_patched_vct_vs_patched_vcopies"]["same_bytes"] is True
+    assert res["logits_patched_vct_vs_patched_vcopies"]["rel_l2_max"] == 0.0
+    assert res["logits_patched_vct_vs_patched_vo"]["same_bytes"] is False  # what the copies change
+    assert "logits_patched_vct_vs_patched_vct" not in res  # strict parts only
+    never = ("vcopies_vs_patched_vct", "vo_vs_patched_vct", "vcopies_vs_patched_vo", "vo_vs_patched_vcopies")
+    for key in never:
+        assert f"logits_patched_{key}" not in res
+    assert "logits_patched_vct_vs_patched_vcopies: " in run.stdout
