@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.ggml_patches.test_cuda_kernels import c_body
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # three steps of one sequence: an 8-token prompt with every row's logits (8 x 262,144 floats, 8 MiB:
@@ -57,7 +59,16 @@ def plain(gemma_path):
     return steps
 
 
-@pytest.mark.parametrize("env", [{}, {"MC_LOGITS_SINK_MIN_KB": "1"}, {"MC_LOGITS_SINK": "1"}])
+@pytest.mark.parametrize(
+    "env",
+    [
+        {},
+        {"MC_LOGITS_SINK_MIN_KB": "1"},
+        {"MC_LOGITS_SINK": "1"},
+        {"MC_LOGITS_SINK_SMALL": "1"},  # patch 0064: the one-token step's copy offered for a direct write
+        {"MC_LOGITS_SINK_SMALL": "1", "MC_LOGITS_SINK": "0"},
+    ],
+)
 def test_every_step_keeps_its_logits_where_the_hand_over_is_declined(gemma_path, plain, env):
     out = _run(gemma_path, **env)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -74,6 +85,8 @@ def test_every_step_keeps_its_logits_where_the_hand_over_is_declined(gemma_path,
             {"MC_LOGITS_SINK_MIN_KB": "0"},
             "MC_LOGITS_SINK_MIN_KB=0: expected a whole number in 1..16777216; using 2048",
         ),
+        ({"MC_LOGITS_SINK_SMALL": "2"}, "MC_LOGITS_SINK_SMALL=2: expected 0 or 1; using 0"),
+        ({"MC_LOGITS_SINK_SMALL": "yes"}, "MC_LOGITS_SINK_SMALL=yes: expected 0 or 1; using 0"),
     ],
 )
 def test_a_bad_setting_is_named_with_its_allowed_values(gemma_path, plain, env, warning):
@@ -254,3 +267,63 @@ def test_the_direct_form_is_wired_as_emulated(patched):
     assert common.index("void *              host_dev = nullptr;", struct) < common.index(
         "} mc_sink;", struct
     )
+
+
+def test_a_small_copy_is_handed_over_for_a_direct_write_only(patched):
+    """Patch 0064 (MC_LOGITS_SINK_SMALL=1, off until measured): a copy under MC_LOGITS_SINK_MIN_KB (a
+    one-token step's 970 KiB of logits) is offered through an entry of its own, which the CUDA backend
+    takes only where the page-locked memory has a device address and marks direct-only: the one-column
+    output product writes each logit to the host beside its output (and says the copy is made), the
+    2..16-column product takes it only in its direct form, and the end of the graph never copies it, so
+    where no product writes it llama.cpp copies after the graph as before."""
+    ctx = (patched / "src" / "llama-context.cpp").read_text()
+    arm = ctx[
+        ctx.index("void llama_context::mc_sink_arm(") : ctx.index("void llama_context::mc_sink_collect(")
+    ]
+    assert "const bool   small_ok  = mc_logits_sink_small();" in arm  # read every ubatch: a bad value named
+    assert "(small && !small_ok)" in arm
+    assert 'small ? "ggml_backend_mc_set_host_sink_direct" : "ggml_backend_mc_set_host_sink"' in arm
+    small = c_body(ctx, "static bool mc_logits_sink_small() {")
+    assert "return false;" in small and "mc_logits_sink_min_bytes() != SIZE_MAX" in small  # off by default
+    cuda = (patched / "ggml" / "src" / "ggml-cuda" / "ggml-cuda.cu").read_text()
+    direct = c_body(cuda, "static bool ggml_backend_cuda_mc_set_host_sink_direct(")
+    assert (
+        direct.index("if (!ggml_backend_cuda_mc_set_host_sink(backend, tensor, host, bytes)) {")
+        < direct.index("if (ctx->mc_sink.host_dev == nullptr) {")
+        < direct.index("ctx->mc_sink = {};")
+        < direct.index("ctx->mc_sink.direct_only = true;")
+    )
+    reg = cuda.index("static void * ggml_backend_cuda_reg_get_proc_address(")
+    assert cuda.index('"ggml_backend_mc_set_host_sink_direct"', reg) < cuda.index(
+        '"ggml_backend_comm_init"', reg
+    )
+    finish = c_body(cuda, "static void ggml_cuda_mc_sink_finish(")
+    assert "if (sk.tensor == nullptr || sk.issued || sk.direct_only) {" in finish
+    common = (patched / "ggml" / "src" / "ggml-cuda" / "common.cuh").read_text()
+    assert "bool                direct_only = false;" in common
+    mc = (patched / "ggml" / "src" / "ggml-cuda" / "mc-mmv.cu").read_text()
+    kernel = mc.index("static __global__ void mc_mmv_q6_K(")
+    assert mc.index("float * dst, float * dsth, const int nrows,", kernel) < mc.index("{", kernel)
+    store = mc.index("dst[row0 + tid] = x;", kernel)
+    assert store < mc.index("if (dsth != nullptr) {", store) < mc.index("dsth[row0 + tid] = x;", store)
+    pick = c_body(mc, "static float * mc_sink_direct_dst(")
+    for cond in (
+        "sk.tensor == dst",
+        "!sk.issued",
+        "sk.bytes == ggml_nbytes(dst)",
+        "ggml_is_contiguous(dst)",
+        "ctx.curr_stream_no == 0",
+        "sk.host_dev != nullptr",
+        "mc_sink_direct() == 1",
+    ):
+        assert cond in pick, cond
+    one = c_body(mc, "static bool mc_mmv_q6_K_try(")
+    launch = one.index("ggml_cuda_kernel_launch(mc_mmv_q6_K,")
+    assert one.index("float *    dsth = mc_sink_direct_dst(ctx, dst);") < launch
+    assert (
+        one.index("dsth, (int) nrows,", launch)
+        < one.index("if (dsth != nullptr) {", launch)
+        < one.index("ctx.mc_sink.issued = true;", launch)
+    )
+    many = mc[mc.index("static bool mc_mmq_q6_K_launch(") : mc.index("static bool mc_mmq_q6_K_try(")]
+    assert "(!sk.direct_only || (mc_sink_direct() == 1 && sk.host_dev != nullptr))" in many
