@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu" / "sbs_summary.py"
 
@@ -195,18 +197,22 @@ def test_verify_draws_give_the_median_and_each_draws_ratio(tmp_path):
     assert "verify16_over_1_draws_patched-va" not in res
 
 
+def logits_state(tmp_path: Path) -> tuple[Path, str, np.ndarray]:
+    """A state folder (make_state), the result line of a logits run of 3 rows x 8 floats, and values for
+    such a run."""
+    st = tmp_path / "state"
+    st.mkdir()
+    make_state(st)
+    line = json.dumps({"kind": "logits", "rows": 3, "n_vocab": 8}) + "\n"
+    return st, line, np.arange(3 * 8, dtype=np.float32) + 1
+
+
 def test_logits_of_a_run_that_stopped_are_reported_not_compared(tmp_path):
     # a setting's logits run that aborted mid-write (run AP: MC_MMV_PERSIST=1 before its fix) leaves a
     # file cut mid-row and no result line: the summary says so and every other figure is still written;
     # a finished run with the wrong number of rows is an error too, a matching one is compared
-    import numpy as np
-
-    st = tmp_path / "state"
-    st.mkdir()
-    make_state(st)
+    st, line, ref = logits_state(tmp_path)
     n_vocab, rows = 8, 3
-    line = json.dumps({"kind": "logits", "rows": rows, "n_vocab": n_vocab}) + "\n"
-    ref = np.arange(rows * n_vocab, dtype=np.float32) + 1
     (st / "patched-logits.out").write_text(line)
     ref.tofile(st / "patched-logits.bin")
     (st / "patched-vp-logits.out").write_text("")
@@ -236,14 +242,7 @@ def test_logits_of_a_run_that_stopped_are_reported_not_compared(tmp_path):
 def test_a_setting_is_also_compared_with_each_setting_it_adds_to(tmp_path):
     # run CJ: 0063 with the copies (vct) against the defaults differed by what the copies change; against
     # the copies alone (vcopies, whose settings are a strict part of vct's) its logits are the same bytes
-    import numpy as np
-
-    st = tmp_path / "state"
-    st.mkdir()
-    make_state(st)
-    n_vocab, rows = 8, 3
-    line = json.dumps({"kind": "logits", "rows": rows, "n_vocab": n_vocab}) + "\n"
-    ref = np.arange(rows * n_vocab, dtype=np.float32) + 1
+    st, line, ref = logits_state(tmp_path)
     copies = ref * np.float32(1.001)
     for name, values in (("patched", ref), ("patched-vcopies", copies), ("patched-vct", copies)):
         (st / f"{name}-logits.out").write_text(line)
