@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.ggml_patches.test_cuda_kernels import c_body
+from tests.ggml_patches.test_cuda_kernels import assert_statements, c_body
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -307,16 +307,18 @@ def test_a_small_copy_is_handed_over_for_a_direct_write_only(patched):
     store = mc.index("dst[row0 + tid] = x;", kernel)
     assert store < mc.index("if (dsth != nullptr) {", store) < mc.index("dsth[row0 + tid] = x;", store)
     pick = c_body(mc, "static float * mc_sink_direct_dst(")
-    for cond in (
-        "sk.tensor == dst",
-        "!sk.issued",
-        "sk.bytes == ggml_nbytes(dst)",
-        "ggml_is_contiguous(dst)",
-        "ctx.curr_stream_no == 0",
-        "sk.host_dev != nullptr",
-        "mc_sink_direct() == 1",
-    ):
-        assert cond in pick, cond
+    assert_statements(
+        pick,
+        (
+            "sk.tensor == dst",
+            "!sk.issued",
+            "sk.bytes == ggml_nbytes(dst)",
+            "ggml_is_contiguous(dst)",
+            "ctx.curr_stream_no == 0",
+            "sk.host_dev != nullptr",
+            "mc_sink_direct() == 1",
+        ),
+    )
     one = c_body(mc, "static bool mc_mmv_q6_K_try(")
     launch = one.index("ggml_cuda_kernel_launch(mc_mmv_q6_K,")
     assert one.index("float *    dsth = mc_sink_direct_dst(ctx, dst);") < launch
