@@ -153,6 +153,9 @@ void quantize_row_q8_1_cuda(const float *, const int32_t *, void *, ggml_type, i
 const block_q8_1 * ggml_cuda_mc_preq_take(const ggml_backend_cuda_context &, const ggml_tensor *) {
     lab_unreachable("ggml_cuda_mc_preq_take");  // patch 0052 (MC_PREQ): only a graph has pre-quantized blocks
 }
+const half * ggml_cuda_mc_preh_take(const ggml_backend_cuda_context &, const ggml_tensor *) {
+    return nullptr;  // patch 0065 (MC_PREH): only a graph's norms write the f16 form; the labs convert
+}
 std::unique_ptr<ggml_cuda_pool> ggml_backend_cuda_context::new_pool_for_device(int, int) {
     lab_unreachable("new_pool_for_device");
 }

@@ -575,7 +575,7 @@ def test_the_norm_probe_is_a_read_once_diagnostic_of_the_norms_between_products(
     assert "const int probe = mc_probe_norm();" in body
     assert "if (probe != 1) {" in body
     # (patch 0052 passes its pre-quantized blocks, MC_PREQ, to both calls)
-    assert "ggml_cuda_mc_add_rms_norm_mul(*ctx, add, norm, mul, probe != 2, pq.q8, split)" in body
+    assert "ggml_cuda_mc_add_rms_norm_mul(*ctx, add, norm, mul, probe != 2, pq.q8, split, ph.out)" in body
     stock = main.index("ggml_cuda_op_rms_norm_fused(*cuda_ctx, node, cgraph->nodes[i + 1], mc_pq.q8, mc_pq")
     skip = "if (mc_probe_norm() == 3 && ggml_nrows(node) == 1 && node->ne[0] >= 1024) {"
     assert skip in main[stock - 450 : stock]
@@ -967,7 +967,7 @@ def test_pre_quantized_activations_are_written_by_their_producers_and_taken_by_t
         ),
         # (patch 0061: level 2, or up to 3 where the add + norm is split over 8 blocks a row)
         (
-            "ggml_cuda_mc_add_rms_norm_mul(*ctx, add, norm, mul, probe != 2, pq.q8, split)",
+            "ggml_cuda_mc_add_rms_norm_mul(*ctx, add, norm, mul, probe != 2, pq.q8, split, ph.out)",
             ", 2, split ? 3 : 2);",
         ),
     ):

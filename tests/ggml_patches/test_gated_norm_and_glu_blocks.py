@@ -119,7 +119,7 @@ def test_the_gated_norm_fusion_matches_the_models_graph(patched):
     at = fuse.index("ggml_cuda_mc_gated_norm_match(cgraph, i, gn)")
     assert at < fuse.index("{ GGML_OP_RMS_NORM, GGML_OP_MUL, GGML_OP_ADD }")
     assert at < fuse.index("if (ggml_cuda_can_fuse(cgraph, i, { GGML_OP_RMS_NORM, GGML_OP_MUL }, {})) {")
-    call = fuse[at : at + 600]
+    call = fuse[at : at + 900]  # (patch 0065: the f16 form's plan and commit beside the blocks')
     assert "ggml_cuda_mc_preq_plan(*cuda_ctx, cgraph, gn[3], out, 1)" in call
     assert "ggml_cuda_mc_preq_commit(*cuda_ctx, out, mc_pq);" in call and "return gn[3] - i;" in call
     tests = (patched / "tests/test-backend-ops.cpp").read_text()

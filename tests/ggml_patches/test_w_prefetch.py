@@ -58,7 +58,7 @@ def test_the_setting_is_read_once_and_every_launch_passes_it(patched):
     assert norm.count("1.0f, q8, ggml_cuda_mc_w_prefetch());") == 1  # the cached form
     assert norm.count("nullptr, 0);") == 6  # the other rms_norm_f32 launches: no request
     assert (
-        "(float *) mul->data, ncols, eps, q8,\n                            ggml_cuda_mc_w_prefetch());"
+        "(float *) mul->data, ncols, eps, q8,\n                            ggml_cuda_mc_w_prefetch(), ph);"
         in norm
     )
     rope = sources["rope.cu"]
