@@ -960,7 +960,7 @@ def test_pre_quantized_activations_are_written_by_their_producers_and_taken_by_t
     )
     # producers: the plan's blocks passed in, the record committed only where the kernel wrote them
     for call, level in (
-        ("ggml_cuda_op_unary_mul(*cuda_ctx, node, cgraph->nodes[i + 1], mc_pq.q8)", ", 1);"),
+        ("ggml_cuda_op_unary_mul(*cuda_ctx, node, cgraph->nodes[i + 1], mc_pq.q8, mc_ph.out)", ", 1);"),
         (
             "ggml_cuda_op_rms_norm_fused(*cuda_ctx, node, cgraph->nodes[i + 1], mc_pq.q8, mc_pq.split)",
             ", 2);",

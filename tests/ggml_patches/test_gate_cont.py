@@ -19,7 +19,7 @@ def test_the_fused_kernel_reads_the_view_s_rows_at_their_pitch(patched):
         "unary_gated_cuda<op>((const float *) x->data, (const float *) other->data, "
         "(float *) mul_node->data, k, x->ne[0]," in impl
     )
-    assert "(int64_t) (x->nb[1] / sizeof(float)), x->ne[0], ctx.stream(), q8);" in impl
+    assert "(int64_t) (x->nb[1] / sizeof(float)), x->ne[0], ctx.stream(), q8, ph);" in impl
     # the kernel: element i of row i / n at row * o0 (the unary operand) and row * o1 (the other factor)
     kernel = c_body(unary, "static __global__ void unary_gated_op_kernel(")
     assert "const int64_t j0 = (i / n) * o0 + (i % n);" in kernel
@@ -47,7 +47,7 @@ def test_the_gate_is_fused_only_where_the_cont_has_one_reader_and_nothing_overla
     )
     try_fuse = c_body(main, "static int ggml_cuda_try_fuse(")
     assert try_fuse.index("const int gate = mc_try_gate_cont(cuda_ctx, cgraph, i);") < try_fuse.index(
-        "ggml_cuda_op_unary_mul(*cuda_ctx, node, cgraph->nodes[i + 1], mc_pq.q8)"
+        "ggml_cuda_op_unary_mul(*cuda_ctx, node, cgraph->nodes[i + 1], mc_pq.q8, mc_ph.out)"
     )
     tests = (patched / "tests/test-backend-ops.cpp").read_text()
     for case in ("(1)", "(4)", "(12)", "(3, GGML_UNARY_OP_SILU)"):

@@ -1,13 +1,15 @@
-"""Patch 0065 (MC_PREH, default 0 until measured; 1: on): the norms that compute a product's input at
-2..16 columns (the fused residual add + RMS norm, the Gated DeltaNet's gated norm) write it in the f16
-fragment order that the repacked copies' kernel reads, so mc_mmr_run skips mc_mmr_convert_y's launch
-(256 a 16-token step of the 27B, 3.6 us each in run CK's trace on an H100). Checked here: that the
+"""Patch 0065 (MC_PREH, default 0 until measured; 1: on): the kernels that compute a product's input at
+2..16 columns (the fused residual add + RMS norm, the Gated DeltaNet's gated norm, the attention's
+sigmoid gate, the FFN's SwiGLU) write it in the f16 fragment order that the repacked copies' kernel
+reads, so mc_mmr_run skips mc_mmr_convert_y's launch (256 a 16-token step of the 27B, 3.6 us each in
+run CK's trace on an H100). Checked here: that the
 producer's index puts every value where the conversion puts it, with the same rounding and the same
 zero padding (an emulation of both, their statements held against the source); the record's wiring
 (written after the PDL wait, committed by the producers, taken by the product only where it matches,
 cleared around each graph); the kernels compile for both targets without spills; and, on the tiny
 qwen35's real 16-token graph, that each norm's output reaches its products as the plan's scan needs.
-On a GPU: test-backend-ops MC_NORM_MUL_MAT / MC_GATE_MUL_MAT with MC_PREH=1 MC_MMH_REPACK=2, and the
+On a GPU: test-backend-ops MC_NORM_MUL_MAT / MC_GATE_MUL_MAT / MC_GLU_MUL_MAT with MC_PREH=1
+MC_MMH_REPACK=2, and the
 logits against the copies alone (the same bytes expected)."""
 
 from __future__ import annotations
@@ -110,13 +112,16 @@ def test_the_producers_write_after_their_wait_and_the_product_takes_only_a_match
     cuda = patched / "ggml/src/ggml-cuda"
     norm = c_body((cuda / "norm.cu").read_text(), "static __global__ void mc_add_rms_norm_mul_f32(")
     gated = c_body((cuda / "unary.cu").read_text(), "static __global__ void mc_gated_norm_f32(")
-    for kernel, store in (
-        (norm, "mc_preh_store(ph, (int) (row * ncols + col), v);"),
-        (gated, "mc_preh_store(ph, row * ncols + col, v);"),
+    unary = (cuda / "unary.cu").read_text()
+    glu = c_body(unary, "static __global__ void unary_gated_op_kernel(")
+    for kernel, store, out in (
+        (norm, "mc_preh_store(ph, (int) (row * ncols + col), v);", "dst[col]"),
+        (gated, "mc_preh_store(ph, row * ncols + col, v);", "dst[col]"),
+        (glu, "mc_preh_store(ph, (int) i, v);", "dst[i] = ggml_cuda_cast<T>(v);"),  # the gates and the SwiGLU
     ):
         # the buffer's previous readers have ended once the wait returns: one buffer is enough
         assert kernel.index("ggml_cuda_pdl_sync();") < kernel.index(store)
-        assert kernel.index("dst[col]") < kernel.index(store)  # the value the f32 output holds
+        assert kernel.index(out) < kernel.index(store)  # the value the f32 output holds
     main = (cuda / "ggml-cuda.cu").read_text()
     plan = c_body(main, "mc_preh_plan_t ggml_cuda_mc_preh_plan(")
     assert 'ggml_cuda_mc_env_int("MC_PREH", 0, 1, MC_PREH_DEFAULT)' in plan
@@ -147,11 +152,30 @@ def test_the_producers_write_after_their_wait_and_the_product_takes_only_a_match
             "ggml_cuda_mc_preh_commit(*ctx, mul, ph);",
             "out, mc_pq.q8,\n                                    mc_ph.out)) {",
             "ggml_cuda_mc_preh_commit(*cuda_ctx, out, mc_ph);",
+            "mc_pq.q8, mc_ph.out)) {  // MC_PREQ as the UNARY + MUL",  # the strided gate (patch 0060)
+            "ggml_cuda_mc_preh_commit(*ctx, mul, mc_ph);",
+            "cgraph->nodes[i + 1], mc_pq.q8, mc_ph.out)) {  // MegaCapybara: MC_PREQ",  # UNARY + MUL
+            "ggml_cuda_mc_preh_commit(*cuda_ctx, cgraph->nodes[i + 1], mc_ph);",
             "cuda_ctx->mc_preh_data = nullptr;          // MegaCapybara: MC_PREH, nothing in f16 yet",
             "cuda_ctx->mc_preh_data = nullptr;  // MegaCapybara: MC_PREH",
             "CUDA_CHECK(cudaFree(mc_preh_buf));",
         ),
     )
+    # the SwiGLU (a node of its own at 2..16 columns): computed with the form where its products read it
+    swiglu = c_body(main, "static bool ggml_cuda_mc_preh_swiglu(")
+    assert_statements(
+        swiglu,
+        (
+            "ggml_get_glu_op(glu) != GGML_GLU_OP_SWIGLU || glu->type != GGML_TYPE_F32",
+            "if (plan.out.y == nullptr) {",
+            "ggml_cuda_op_swiglu(ctx, glu, plan.out);",
+            "ggml_cuda_mc_preh_commit(ctx, glu, plan);",
+        ),
+    )
+    loop = main[main.index("const int mc_glu = ggml_cuda_mc_glu_mmr(*cuda_ctx, cgraph, i);") :]
+    at = loop.index("if (!is_concurrent_event_active && ggml_cuda_mc_preh_swiglu(*cuda_ctx, cgraph, i)) {")
+    assert at < loop.index("bool ok = ggml_cuda_compute_forward(*cuda_ctx, node);")
+    assert "nullptr, ph);  // MegaCapybara: MC_PREH (ph.y set only for f32)" in unary
     # the product: the form in place of the conversion, never for the GLU's (its values are computed there)
     run = c_body((cuda / "mc-mmv.cu").read_text(), "static bool mc_mmr_run(")
     take_at = run.index("const half * y = glu ? nullptr : ggml_cuda_mc_preh_take(ctx, src1);")
@@ -159,20 +183,22 @@ def test_the_producers_write_after_their_wait_and_the_product_takes_only_a_match
     tests = (patched / "tests/test-backend-ops.cpp").read_text()
     assert "new test_mc_norm_mul_mat(GGML_TYPE_Q4_0, true, 5120, n));" in tests
     assert "new test_mc_gate_mul_mat(GGML_TYPE_Q4_0, true, 128, 48, 16, 5120, false, true));" in tests
+    assert "new test_mc_gate_mul_mat(GGML_TYPE_Q4_0, false, 256, 24, 16, 5120));" in tests
 
 
 @pytest.mark.parametrize("arch", ["90", "120"])
-def test_the_gated_norm_compiles_without_spills(patched, arch, tmp_path):
-    found = kernel_reports(patched, "unary.cu", arch, tmp_path, r"_Z17mc_gated_norm_f32ILi\d+E\w+")
-    assert len(found) == 2, found
+def test_the_producers_in_unary_cu_compile_without_spills(patched, arch, tmp_path):
+    kernels = r"_Z\d+(?:mc_gated_norm_f32|unary_gated_op_kernel)\w+"
+    found = kernel_reports(patched, "unary.cu", arch, tmp_path, kernels)
+    assert len(found) >= 2 + 3, found  # the gated norm's two forms, the gates' f32 forms at least
     assert all(spill == "0" for spill, _ in found), found
 
 
 def test_the_model_s_norms_reach_their_16_column_products_within_the_scan(tiny_qwen35_path):
-    """The plan follows a norm's output through the next 64 nodes to the products that read it whole as
-    (K, 16), stopping at a node that writes over it: on the real verify-shaped graph, every product whose
-    input a norm computed (RMS_NORM then MUL by its weight: the add + norm; or the gated norm's MUL by
-    SiLU(z)) reads that output's own data, contiguous, within the window, with no write over it between."""
+    """The plan follows a producer's output through the next 64 nodes to the products that read it whole
+    as (K, 16), stopping at a node that writes over it: on the real verify-shaped graph, every product whose
+    input a MUL (the norms x their weights, the gated norm, the attention's gate) or the FFN's SwiGLU
+    computed reads that output's own data, contiguous, within the window, with no write over it between."""
     names = _op_names()
     nodes = _decode_step_nodes(tiny_qwen35_path, 16)
     by_ptr = {n["ptr"]: n for n in nodes}
@@ -186,7 +212,7 @@ def test_the_model_s_norms_reach_their_16_column_products_within_the_scan(tiny_q
         return a["data"] < b["data"] + b["bytes"] and b["data"] < a["data"] + a["bytes"]
 
     index = {n["ptr"]: i for i, n in enumerate(nodes)}
-    fed = 0
+    fed: dict[str, int] = {}
     for i, mm in enumerate(nodes):
         if names[mm["op"]] != "MUL_MAT" or len(mm["src"]) < 2:
             continue
@@ -194,10 +220,7 @@ def test_the_model_s_norms_reach_their_16_column_products_within_the_scan(tiny_q
         if y is None or y["ne"][1] != 16:
             continue
         prod = base(y["ptr"])
-        if names[prod["op"]] != "MUL" or prod["ptr"] not in index:
-            continue
-        srcs = [by_ptr.get(s) for s in prod["src"]]
-        if not any(s is not None and names[s["op"]] in ("RMS_NORM", "MUL") for s in srcs):
+        if names[prod["op"]] not in ("MUL", "GLU") or prod["ptr"] not in index:
             continue
         p = index[prod["ptr"]]
         # what the plan's scan and the take ask for
@@ -208,7 +231,8 @@ def test_the_model_s_norms_reach_their_16_column_products_within_the_scan(tiny_q
             if names[between["op"]] in noop or between["empty"]:
                 continue
             assert not overlaps(between, prod), (between["name"], prod["name"])
-        fed += 1
-    # the tiny model's layers: each one's input projections and FFN gate read an add + norm, each Gated
-    # DeltaNet layer's output projection its gated norm
-    assert fed >= 3 * 2, fed
+        fed[names[prod["op"]]] = fed.get(names[prod["op"]], 0) + 1
+    # the norms, the gated norm and the attention's gate (MUL), the FFN's SwiGLU (GLU): each layer has both
+    layers = sum(1 for n in nodes if names[n["op"]] == "GLU")
+    assert layers >= 2 and fed.get("GLU") == layers, fed
+    assert fed.get("MUL", 0) >= 3 * layers, fed
