@@ -1,16 +1,15 @@
-"""Patch 0065 (MC_PREH, default 0 until measured; 1: on): the kernels that compute a product's input at
-2..16 columns (the fused residual add + RMS norm, the Gated DeltaNet's gated norm, the attention's
-sigmoid gate, the FFN's SwiGLU) write it in the f16 fragment order that the repacked copies' kernel
-reads, so mc_mmr_run skips mc_mmr_convert_y's launch (256 a 16-token step of the 27B, 3.6 us each in
-run CK's trace on an H100). Checked here: that the
-producer's index puts every value where the conversion puts it, with the same rounding and the same
-zero padding (an emulation of both, their statements held against the source); the record's wiring
-(written after the PDL wait, committed by the producers, taken by the product only where it matches,
-cleared around each graph); the kernels compile for both targets without spills; and, on the tiny
-qwen35's real 16-token graph, that each norm's output reaches its products as the plan's scan needs.
-On a GPU: test-backend-ops MC_NORM_MUL_MAT / MC_GATE_MUL_MAT / MC_GLU_MUL_MAT with MC_PREH=1
-MC_MMH_REPACK=2, and the
-logits against the copies alone (the same bytes expected)."""
+"""Patch 0065 (MC_PREH, default 1 since run CL: the same logits bytes, the 16-token step -0.35 ms): the
+kernels that compute a product's input at 2..16 columns (the fused residual add + RMS norm, the Gated
+DeltaNet's gated norm, the attention's sigmoid gate, the FFN's SwiGLU) write it in the f16 fragment order
+that the repacked copies' kernel reads, so mc_mmr_run skips mc_mmr_convert_y's launch (256 a 16-token step
+of the 27B, 3.6 us each in run CK's trace on an H100). Checked here: that the producer's index puts every
+value where the conversion puts it, with the same rounding and the same zero padding (an emulation of
+both, their statements held against the source); the record's wiring (written after the PDL wait,
+committed by the producers, taken by the product only where it matches, cleared around each graph); the
+kernels compile for both targets without spills; and, on the tiny qwen35's real 16-token graph, that each
+norm's output reaches its products as the plan's scan needs. On a GPU: test-backend-ops MC_NORM_MUL_MAT /
+MC_GATE_MUL_MAT / MC_GLU_MUL_MAT with MC_PREH=1 MC_MMH_REPACK=2, and the logits against the copies alone
+(the same bytes expected)."""
 
 from __future__ import annotations
 
@@ -105,7 +104,7 @@ def test_the_emulations_transcribe_the_source(patched):
             "ph.y[mc_preh_index(e, p, ph.ncp)] = __float2half_rn(0.0f);",
         ),
     )
-    assert "#define MC_PREH_DEFAULT 0" in preq  # off until measured
+    assert "#define MC_PREH_DEFAULT 1" in preq  # on since run CL (bench/NOTES.md, 47th session)
 
 
 def test_the_producers_write_after_their_wait_and_the_product_takes_only_a_match(patched):
