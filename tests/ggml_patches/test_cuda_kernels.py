@@ -943,10 +943,13 @@ def test_pre_quantized_activations_are_written_by_their_producers_and_taken_by_t
     plan = c_body(main, "mc_preq_plan_t ggml_cuda_mc_preq_plan(")
     assert 'ggml_cuda_mc_env_int("MC_PREQ", 0, 3, MC_PREQ_DEFAULT)' in plan
     assert "level_on < level || level_on > max_level || ctx.curr_stream_no != 0 || ctx.mc_node < 0" in plan
-    scan = plan[plan.index("for (; j < end; ++j) {") :]
-    assert scan.index("ggml_cuda_is_view_or_noop(n)") < scan.index("n->op == GGML_OP_MUL_MAT")
-    assert scan.index("n->op == GGML_OP_MUL_MAT") < scan.index("break;  // writes over out")
-    assert "y->ne[0] == k && ggml_nrows(y) == 1" in scan
+    # the scan (shared with MC_PREH's plan since patch 0065): views pass, then the caller's readers, and the
+    # first node writing over out ends it
+    scan = c_body(main, "static int mc_scan_readers(")
+    assert scan.index("ggml_cuda_is_view_or_noop(n) || reads(n)") < scan.index("break;  // writes over out")
+    assert "std::min(cgraph->n_nodes, i_last + 1 + MC_PREQ_SCAN)" in scan and "return j;" in scan
+    assert "const int j    = mc_scan_readers(cgraph, i_last, out, [&](const ggml_tensor * n) {" in plan
+    assert "y->type == GGML_TYPE_F32 && y->ne[0] == k && ggml_nrows(y) == 1;" in plan
     assert "plan.until = j;" in plan and "if (!used) {" in plan
     take = c_body(main, "const block_q8_1 * ggml_cuda_mc_preq_take(")
     assert_statements(

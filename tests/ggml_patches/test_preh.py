@@ -127,9 +127,9 @@ def test_the_producers_write_after_their_wait_and_the_product_takes_only_a_match
     assert_statements(
         plan,
         (
-            "ggml_nelements(y) == n && ggml_is_contiguous(y) && y->ne[2] == 1 && y->ne[3] == 1 &&",
-            "ggml_cuda_mc_mmr_reads_f16(ctx, nd)) {",
-            "break;  // writes over out: the form stops being out's here",
+            "const int     j    = mc_scan_readers(cgraph, i_last, out, [&](const ggml_tensor * nd) {",
+            "ggml_nelements(y) != n || !ggml_is_contiguous(y) || y->ne[2] != 1 || y->ne[3] != 1 ||",
+            "!ggml_cuda_mc_mmr_reads_f16(ctx, nd)) {",
             "plan.out.ncp   = cols <= 8 ? 8 : 16;  // mc_mmr_run's padding",
             "plan.until     = j;",
         ),
