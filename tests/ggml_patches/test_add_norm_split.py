@@ -36,11 +36,26 @@ def test_the_split_is_taken_only_where_no_output_is_an_input(patched):
     setting = c_body(main, "static bool mc_add_norm_split_on(")
     assert 'ggml_cuda_mc_env_int("MC_ADD_NORM_SPLIT", 0, 1, 1) == 1' in setting
     fuse = c_body(main, "static int mc_try_add_rms_norm(")
-    apart = "mc_disjoint(add, x0) && mc_disjoint(add, x1) && mc_disjoint(mul, x0) && mc_disjoint(mul, x1);"
-    assert apart in fuse
+    split = fuse[fuse.index("const bool split =") : fuse.index("if (probe != 1) {")]
+    apart = ("mc_disjoint(add, x0)", "mc_disjoint(add, x1)", "mc_disjoint(mul, x0)", "mc_disjoint(mul, x1);")
+    assert all(term in split for term in apart)
     # the product's blocks at MC_PREQ=3 only when split (the one-block form writes them at 2 alone)
     assert "ggml_cuda_mc_preq_plan(*ctx, cgraph, i + 2, mul, 2, split ? 3 : 2);" in fuse
     deps = c_body(main, "static void mc_add_norm_alloc_deps(")
     assert "params->add_alloc_dep(params->user_data, x, mul);" in deps
     optimize = c_body(main, "static void ggml_backend_cuda_graph_optimize(")
     assert "mc_add_norm_alloc_deps(cgraph, params);" in optimize
+
+
+def test_patch_0066_limits_the_split_to_a_number_of_rows(patched):
+    """Patch 0066 (MC_ADD_NORM_SPLIT_ROWS, default 65536: the split at any rows, as before): the split form
+    only up to that many rows, so that a verify step's 16 rows can run one block a row (16 blocks of 1,024
+    threads instead of 128) while one-token decode keeps its split; not yet measured."""
+    main = (patched / "ggml/src/ggml-cuda/ggml-cuda.cu").read_text()
+    fuse = c_body(main, "static int mc_try_add_rms_norm(")
+    assert 'ggml_cuda_mc_env_int("MC_ADD_NORM_SPLIT_ROWS", 1, 65536, 65536)' in fuse
+    split = fuse[fuse.index("const bool split =") : fuse.index("if (probe != 1) {")]
+    assert "ggml_nrows(add) <= split_rows &&" in split
+    # the allocation dependency stays for every row count: a one-block form with it only keeps inputs longer
+    deps = c_body(main, "static void mc_add_norm_alloc_deps(")
+    assert "split_rows" not in deps
