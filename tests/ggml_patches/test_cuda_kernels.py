@@ -1011,7 +1011,8 @@ def test_pre_quantized_activations_are_written_by_their_producers_and_taken_by_t
 def test_the_pre_quantizing_producers_compile_without_spills(patched, arch, tmp_path):
     """unary.cu with patch 0052 compiles for both targets, the gated kernels without spills, and patch
     0053's gated norm in its two forms (up to 4 and 8 warps' worth of columns) too (norm.cu's forms:
-    test_the_cached_rms_norm_compiles; ggml-cuda.cu: test_the_patched_ggml_cuda_compiles)."""
+    test_the_cached_rms_norm_compiles; ggml-cuda.cu: test_the_patched_ggml_cuda_compiles). Both also
+    write patch 0065's f16 form (MC_PREH), so this is its producers' check in unary.cu as well."""
     out = compile_cuda(patched, "unary.cu", arch, tmp_path, "-Xptxas=-v")
     assert out.returncode == 0, out.stderr[-3000:]
     gated = re.findall(
