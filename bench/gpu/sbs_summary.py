@@ -272,6 +272,9 @@ def main() -> None:
     times = st / "build-times.txt"
     if times.exists():
         res["build_times"] = dict(ln.split() for ln in times.read_text().splitlines() if ln.strip())
+    prebuilt = st / "prebuilt-manifest.json"  # the patched build came from bench/gpu/prebuild.py
+    if prebuilt.exists():
+        res["prebuilt"] = json.loads(prebuilt.read_text())
     variants = sorted({p.name.split("-")[1] for p in st.glob("patched-v*-*.out")})  # patched-NAME-step
     builds = {b: build_figures(st, b) for b in ("stock", "patched", *[f"patched-{v}" for v in variants])}
     res["builds"] = builds

@@ -176,6 +176,25 @@ if [ ! -f "$S/build.started" ]; then
   HASH=$(series_hash "$S/ggml-patches")
   case ",$BUILDS," in *,stock,*) BUILD_STOCK=1 ;; *) BUILD_STOCK=0 ;; esac
   echo "$HASH $BUILD_STOCK" > "$S/build-for.txt"  # what the state holds (checked by every later call)
+  # the patched build made on the CPU machine (bench/gpu/prebuild.py) for this series and this GPU's
+  # arch, where it passes its check here (bench/gpu/use_prebuilt.sh); MC_SBS_PREBUILT=0: build here
+  PREBUILT=$ROOT/.device/prebuilt-patched-${HASH:0:16}-sm$ARCH.tar.xz
+  TAKEN=0
+  if [ "$BACKEND" = cuda ] && [ $BUILD_STOCK = 0 ] && [ "${MC_SBS_PREBUILT:-1}" = 1 ] && [ -f "$PREBUILT" ]; then
+    MSG=$(bash "$ROOT/bench/gpu/use_prebuilt.sh" "$S" "$PREBUILT" CUDA0 "$HASH") && TAKEN=1
+    log "$MSG"
+  fi
+  if [ $TAKEN = 1 ]; then
+    # the source tree patched as the build would leave it (the kernel labs compile from it)
+    for p in $(grep -v '^#' "$S/ggml-patches/series"); do
+      patch -p1 --forward --batch --silent -d "$SRCROOT" < "$S/ggml-patches/patches/$p" > /dev/null ||
+        { log "patch $p failed on the source tree (the labs' copy)"; break; }
+    done
+    touch "$S/patches.applied" "$S/build.started"
+    echo 0 > "$S/build.rc"
+  fi
+fi
+if [ ! -f "$S/build.started" ]; then
   cat > "$S/build.sh" <<EOF
 set -u
 L=${SRCROOT}vendor/llama.cpp

@@ -1,0 +1,129 @@
+"""The patched build made on the CPU machine for a device call (bench/gpu/prebuild.py) and its use there
+(bench/gpu/use_prebuilt.sh, called by side_by_side.sh): the archive's name ties it to the patch series
+and the GPU's arch; an archive is taken only when its series is the tree's, every library is found by
+the loader and a patched op's cases pass; a refused one leaves nothing in the state. The programs here
+are shell scripts and one real C program (the loader's check); building the real archive takes
+~35 min on this machine and running it needs a GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+USE = ROOT / "bench" / "gpu" / "use_prebuilt.sh"
+sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+import prebuild  # noqa: E402
+
+SERIES = "ab" * 32
+
+
+def make_archive(tmp: Path, series: str = SERIES, tbo: str = 'echo "  7/7 tests passed"', extra=None) -> Path:
+    """An archive laid out as prebuild.py writes it, its programs shell scripts (tbo: test-backend-ops)."""
+    top = tmp / "arch"
+    (top / "patched").mkdir(parents=True)
+    (top / "obj").mkdir()
+    for name, body in (
+        ("test-backend-ops", tbo),
+        ("mc_gpu_bench", "exit 0"),
+        ("llama-batched-bench", "exit 0"),
+    ):
+        f = top / "patched" / name
+        f.write_text(f"#!/bin/sh\n{body}\n")
+        f.chmod(0o755)
+    (top / "patched" / "libggml-cuda.so").write_text("not a library\n")
+    (top / "obj" / "mc-mmv.cu.o").write_bytes(b"object")
+    (top / "MANIFEST.json").write_text(json.dumps({"series_hash": series, "arch": "90"}, indent=1) + "\n")
+    if extra:
+        extra(top / "patched")
+    out = tmp / prebuild.archive_name(SERIES, "90")
+    with tarfile.open(out, "w:xz") as t:
+        for item in ("MANIFEST.json", "patched", "obj"):
+            t.add(top / item, arcname=item)
+    return out
+
+
+def use(state: Path, archive: Path, series: str = SERIES) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(USE), str(state), str(archive), "CUDA0", series],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_archive_name_holds_the_series_and_the_arch():
+    assert prebuild.archive_name(SERIES, "90") == f"prebuilt-patched-{SERIES[:16]}-sm90.tar.xz"
+    assert prebuild.archive_name(SERIES, "120").endswith("-sm120.tar.xz")
+    for series, arch, field in (
+        ("abc", "90", "series hash"),
+        (SERIES, "sm_90", "--arch"),
+        (SERIES, "9", "--arch"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            prebuild.archive_name(series, arch)
+    # side_by_side.sh looks for the same name
+    script = (ROOT / "bench" / "gpu" / "side_by_side.sh").read_text()
+    assert "PREBUILT=$ROOT/.device/prebuilt-patched-${HASH:0:16}-sm$ARCH.tar.xz" in script
+    assert 'use_prebuilt.sh" "$S" "$PREBUILT" CUDA0 "$HASH") && TAKEN=1' in script
+
+
+def test_max_glibc_reads_the_highest_version():
+    text = "0 DF *UND* GLIBC_2.2.5 memcpy\n0 DF *UND* GLIBC_2.34 pthread_create\n0 DF *UND* GLIBC_2.4 x\n"
+    assert prebuild.max_glibc(text) == "2.34"
+    assert prebuild.max_glibc("no versions") is None
+
+
+def test_a_good_archive_is_taken(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    res = use(state, make_archive(tmp_path))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "taken: MC_ADD_RMS_NORM_MUL passed here" in res.stdout
+    assert (state / "patched" / "mc_gpu_bench").exists() and (state / "patched" / "test-backend-ops").exists()
+    obj = state / "build" / "ggml" / "src" / "ggml-cuda" / "CMakeFiles" / "ggml-cuda.dir" / "mc-mmv.cu.o"
+    assert obj.read_bytes() == b"object"  # where side_by_side.sh's SASS step finds it
+    times = dict(ln.split() for ln in (state / "build-times.txt").read_text().splitlines())
+    assert times["patched_prebuilt"] == prebuild.archive_name(SERIES, "90")
+    assert json.loads((state / "prebuilt-manifest.json").read_text())["series_hash"] == SERIES
+    assert not (state / "prebuilt.tmp").exists()
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["failing op", "no passed line", "other series", "missing library", "not an archive"],
+)
+def test_a_bad_archive_is_refused_and_leaves_nothing(tmp_path, case):
+    state = tmp_path / "state"
+    state.mkdir()
+    if case == "failing op":
+        archive, want = make_archive(tmp_path, tbo='echo "  6/7 tests passed"; echo FAIL; exit 1'), "exit 1"
+    elif case == "no passed line":
+        archive, want = make_archive(tmp_path, tbo="echo nothing"), "MC_ADD_RMS_NORM_MUL exit 0"
+    elif case == "other series":
+        archive, want = make_archive(tmp_path, series="cd" * 32), "built from another patch series"
+    elif case == "missing library":
+
+        def linked(patched: Path) -> None:  # a real program needing a library the archive lacks
+            (tmp_path / "z.c").write_text("int z(void) { return 0; }\n")
+            (tmp_path / "m.c").write_text("int z(void);\nint main(void) { return z(); }\n")
+            lib = tmp_path / "libzz.so"
+            subprocess.run(["gcc", "-shared", "-fPIC", "-o", lib, tmp_path / "z.c"], check=True)
+            exe = patched / "needs-zz"
+            subprocess.run(["gcc", "-o", exe, tmp_path / "m.c", f"-L{tmp_path}", "-lzz"], check=True)
+
+        archive, want = make_archive(tmp_path, extra=linked), "the loader here lacks: libzz.so => not found"
+    else:
+        archive = tmp_path / prebuild.archive_name(SERIES, "90")
+        archive.write_text("not xz\n")
+        want = "cannot unpack it"
+    res = use(state, archive)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert f"prebuilt {archive.name} not used: " in res.stdout and want in res.stdout, res.stdout
+    left = sorted(p.name for p in state.iterdir())
+    assert left in ([], ["prebuilt-check.out"]), left  # the check's output only: no programs, no times
