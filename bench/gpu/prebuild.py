@@ -57,6 +57,12 @@ def max_glibc(text: str) -> str | None:
     return ".".join(str(p) for p in max(found)) if found else None
 
 
+def needed(lib: Path) -> list[str]:
+    """The libraries a shared object names as needed (its DT_NEEDED entries, readelf -d)."""
+    out = subprocess.run(["readelf", "-d", str(lib)], capture_output=True, text=True, check=True).stdout
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
+
+
 def run(cmd: list[str], **kw) -> str:
     print("+", " ".join(str(c) for c in cmd), flush=True)
     return subprocess.run(cmd, check=True, text=True, **kw).stdout or ""
@@ -136,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
             f"-DCMAKE_CUDA_ARCHITECTURES={a.arch}", "-DGGML_NATIVE=OFF", "-DCMAKE_BUILD_TYPE=Release",
             "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=ON", "-DLLAMA_BUILD_EXAMPLES=OFF",
             "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DBUILD_SHARED_LIBS=ON",
-            "-DCMAKE_SKIP_BUILD_RPATH=ON", "-DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL",
+            "-DCMAKE_SKIP_BUILD_RPATH=ON",
+            # --no-as-needed: this gcc links with --as-needed, which dropped the stub (it defines no
+            # symbol) from libggml-cuda.so's needs, leaving its cu* names unresolved on the device
+            "-DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL -Wl,--no-as-needed",
             "-DCMAKE_EXE_LINKER_FLAGS=-Wl,--allow-shlib-undefined",
             f"-DCUDA_cublas_LIBRARY={cu / 'lib' / 'libcublas.so'}",
             f"-DCUDA_cublasLt_LIBRARY={cu / 'lib' / 'libcublasLt.so'}",
@@ -164,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
             "-Wl,--disable-new-dtags,-rpath,$ORIGIN", "-o", str(stage / "patched" / "mc_gpu_bench"),
         ]
     )  # fmt: skip
+    cuda_lib = (stage / "patched" / "libggml-cuda.so").resolve()
+    for want in ("libcuda.so.1", "libcublas.so.13"):  # what the device must provide, named
+        if want not in needed(cuda_lib):
+            raise SystemExit(
+                f"{cuda_lib.name} does not name {want} as needed ({needed(cuda_lib)}): not packed"
+            )
     obj = next(bdir.rglob("mc-mmv.cu.o"))
     shutil.copy2(obj, stage / "obj" / obj.name)
     dyn = "".join(

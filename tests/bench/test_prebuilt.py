@@ -127,3 +127,17 @@ def test_a_bad_archive_is_refused_and_leaves_nothing(tmp_path, case):
     assert f"prebuilt {archive.name} not used: " in res.stdout and want in res.stdout, res.stdout
     left = sorted(p.name for p in state.iterdir())
     assert left in ([], ["prebuilt-check.out"]), left  # the check's output only: no programs, no times
+
+
+def test_needed_reads_what_a_library_names(tmp_path):
+    """prebuild.py refuses to pack a libggml-cuda.so that does not name libcuda.so.1 (this machine's gcc
+    links with --as-needed, which drops a stub defining no symbol: the first archive was so)."""
+    (tmp_path / "s.c").write_text("")
+    stub = tmp_path / "libcuda.so"
+    subprocess.run(["gcc", "-shared", "-Wl,-soname,libcuda.so.1", "-o", stub, tmp_path / "s.c"], check=True)
+    (tmp_path / "u.c").write_text("int cuInit(unsigned);\nint f(void) { return cuInit(0); }\n")
+    lib = tmp_path / "libu.so"
+    base = ["gcc", "-shared", "-fPIC", "-Wl,--as-needed"]
+    for extra, named in (([], False), (["-Wl,--no-as-needed"], True)):  # the second as prebuild.py links
+        subprocess.run([*base, *extra, "-o", lib, tmp_path / "u.c", stub], check=True)
+        assert ("libcuda.so.1" in prebuild.needed(lib)) is named, (extra, prebuild.needed(lib))
