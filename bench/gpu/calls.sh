@@ -36,7 +36,10 @@
 #   session whose refused tries left ~500 s (run CJ)
 #
 # Needs .device/ as side_by_side.sh does (python3 bench/gpu/prepare_device.py). MC_STATE as there
-# (default /tmp/mcs). The plan's commands go to $OUT/calls.log.
+# (default /tmp/mcs). The plan's commands go to $OUT/calls.log. The setting / settings plans build the
+# patched tree alone, unless .device/ holds bench/gpu/prebuild.py's archive for this series and the
+# GPU's arch and it passes its check there (side_by_side.sh then builds nothing: ~80 s of model
+# generation instead of 210-330 s of build on a fresh machine).
 set -u
 : "${OUT:?set OUT to the folder for results}"
 PLAN=${1:-}

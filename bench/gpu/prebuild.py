@@ -51,9 +51,11 @@ def archive_name(series: str, arch: str) -> str:
     return f"prebuilt-patched-{series[:16]}-sm{arch}.tar.xz"
 
 
-def max_glibc(text: str) -> str | None:
-    """The highest GLIBC_x.y version named in objdump -T output (what a loader there must have)."""
-    found = {tuple(int(p) for p in m.split(".")) for m in re.findall(r"GLIBC_([0-9]+(?:\.[0-9]+)+)", text)}
+def max_version(text: str, prefix: str = "GLIBC") -> str | None:
+    """The highest PREFIX_x.y version named in objdump -T output (GLIBC: what the loader there must
+    have; GLIBCXX: its libstdc++)."""
+    names = re.findall(rf"\b{prefix}_([0-9]+(?:\.[0-9]+)+)", text)
+    found = {tuple(int(p) for p in m.split(".")) for m in names}
     return ".".join(str(p) for p in max(found)) if found else None
 
 
@@ -198,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         "gcc": run(["gcc", "-dumpfullversion"], stdout=subprocess.PIPE).strip(),
         "cublas_headers": CUBLAS,
         "ggml_native": False,
-        "needs_glibc": max_glibc(dyn),
+        "needs_glibc": max_version(dyn, "GLIBC"),
+        "needs_glibcxx": max_version(dyn, "GLIBCXX"),
     }
     (stage / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
     device.mkdir(parents=True, exist_ok=True)
@@ -207,7 +210,10 @@ def main(argv: list[str] | None = None) -> int:
         for item in ("MANIFEST.json", "patched", "obj"):
             t.add(stage / item, arcname=item)
     tmp.rename(out)
-    print(f"{out}: {out.stat().st_size / 2**20:.1f} MiB, glibc >= {manifest['needs_glibc']}")
+    print(
+        f"{out}: {out.stat().st_size / 2**20:.1f} MiB, glibc >= {manifest['needs_glibc']}, "
+        f"libstdc++ >= GLIBCXX {manifest['needs_glibcxx']}"
+    )
     return 0
 
 

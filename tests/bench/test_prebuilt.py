@@ -73,10 +73,14 @@ def test_archive_name_holds_the_series_and_the_arch():
     assert 'use_prebuilt.sh" "$S" "$PREBUILT" CUDA0 "$HASH") && TAKEN=1' in script
 
 
-def test_max_glibc_reads_the_highest_version():
-    text = "0 DF *UND* GLIBC_2.2.5 memcpy\n0 DF *UND* GLIBC_2.34 pthread_create\n0 DF *UND* GLIBC_2.4 x\n"
-    assert prebuild.max_glibc(text) == "2.34"
-    assert prebuild.max_glibc("no versions") is None
+def test_max_version_reads_the_highest_version():
+    text = (
+        "0 DF *UND* GLIBC_2.2.5 memcpy\n0 DF *UND* GLIBC_2.34 pthread_create\n0 DF *UND* GLIBC_2.4 x\n"
+        "0 DF *UND* GLIBCXX_3.4.30 _ZSt28__throw_bad_array_new_lengthv\n0 DF *UND* GLIBCXX_3.4.9 y\n"
+    )
+    assert prebuild.max_version(text, "GLIBC") == "2.34"  # numbers, not strings: 2.34 > 2.4 > 2.2.5
+    assert prebuild.max_version(text, "GLIBCXX") == "3.4.30"
+    assert prebuild.max_version("no versions") is None
 
 
 def test_a_good_archive_is_taken(tmp_path):
