@@ -37,7 +37,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "ggml-patches"))
 import build  # noqa: E402  (ggml-patches/build.py: the series and its hash)
 
-SDIST_NAME = "llama_cpp_python-0.3.36.tar.gz"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prepare_device import SDIST_NAME  # noqa: E402  (the sdist it puts in .device)
+
 CUBLAS = "nvidia-cublas==13.1.1.3"  # CUDA 13's cuBLAS, as the device's 13.0 toolkit
 TARGETS = ("llama", "ggml", "llama-batched-bench", "test-backend-ops")  # side_by_side.sh's TARGETS
 
@@ -106,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=str(ROOT / ".device"), help="the folder the device tool carries")
     ap.add_argument("--work", default="/tmp/mc-prebuild", help="build folders (kept: a rerun resumes)")
     a = ap.parse_args(argv)
+    if a.jobs < 1:
+        raise SystemExit(f"--jobs: expected a whole number of at least 1, got {a.jobs}")
     if shutil.which("nvcc") is None and not Path("/usr/local/cuda/bin/nvcc").exists():
         raise SystemExit("no nvcc here: the prebuilt programs need CUDA's compiler")
     series = build.series_hash()
@@ -128,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         src_root.mkdir(parents=True)
         with tarfile.open(sdist) as t:
             t.extractall(src_root, filter="data")
-        top = next(p for p in src_root.iterdir() if p.is_dir())
-        build.apply_series(top)
+        build.apply_series(next(p for p in src_root.iterdir() if p.is_dir()))
         (work / "src.done").write_text(series + "\n")
     top = next(p for p in src_root.iterdir() if p.is_dir())
     llama = top / "vendor" / "llama.cpp"

@@ -145,3 +145,20 @@ def test_needed_reads_what_a_library_names(tmp_path):
     for extra, named in (([], False), (["-Wl,--no-as-needed"], True)):  # the second as prebuild.py links
         subprocess.run([*base, *extra, "-o", lib, tmp_path / "u.c", stub], check=True)
         assert ("libcuda.so.1" in prebuild.needed(lib)) is named, (extra, prebuild.needed(lib))
+
+
+def test_prebuild_builds_what_side_by_side_builds():
+    """The archive stands in for side_by_side.sh's patched build: the same targets and every configure
+    flag of that build (a value from the script's variables compared by its name), so a flag added
+    there and not here is caught."""
+    script = (ROOT / "bench" / "gpu" / "side_by_side.sh").read_text()
+    stock = script.split('TARGETS_STOCK="', 1)[1].split('"', 1)[0].split()
+    assert 'TARGETS="$TARGETS_STOCK test-backend-ops"' in script
+    assert list(prebuild.TARGETS) == [*stock, "test-backend-ops"]
+    configure = script.split("cmake -S \\$L -B $S/build -G Ninja", 1)[1].split("|| exit 1", 1)[0]
+    flags = [f for f in configure.split() if f.startswith("-D")]
+    assert len(flags) >= 12, flags
+    source = (ROOT / "bench" / "gpu" / "prebuild.py").read_text()
+    for flag in flags:
+        name, _, value = flag.partition("=")
+        assert (flag if "$" not in value else f"{name}=") in source, flag
