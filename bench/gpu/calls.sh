@@ -37,9 +37,10 @@
 #
 # Needs .device/ as side_by_side.sh does (python3 bench/gpu/prepare_device.py). MC_STATE as there
 # (default /tmp/mcs). The plan's commands go to $OUT/calls.log. The setting / settings plans build the
-# patched tree alone, unless .device/ holds bench/gpu/prebuild.py's archive for this series and the
-# GPU's arch and it passes its check there (side_by_side.sh then builds nothing: ~80 s of model
-# generation instead of 210-330 s of build on a fresh machine).
+# patched tree alone, sbs stock and patched, unless .device/ holds bench/gpu/prebuild.py's archive for
+# this series and the GPU's arch and it passes its check there: side_by_side.sh then takes the patched
+# programs from it (settings: no build, ~80 s of model generation instead of 210-330 s of build on a
+# fresh machine; sbs: stock's build alone, ~180-230 s).
 set -u
 : "${OUT:?set OUT to the folder for results}"
 PLAN=${1:-}

@@ -49,7 +49,9 @@
 # MC_SBS_VARIANT_MEASURE_<name> for one; MC_SBS_VARIANT_STEP_CAP: the most seconds one of their steps runs),
 # MC_SBS_LABS (kernel labs on the patched tree right after the build: gdn, mmr1, mmr9..mmr16;
 # MC_SBS_LAB_TOKENS for gdn's token counts),
-# MC_SBS_COMMIT (the git commit to record, default this tree's HEAD),
+# MC_SBS_COMMIT (the git commit to record, default this tree's HEAD), MC_SBS_PREBUILT (0: build the patched
+# tree here even where the folder MC_SBS_PREBUILT_DIR, default .device, holds bench/gpu/prebuild.py's archive
+# for this series and arch),
 # MC_SBS_MEASURE (logits,tg,verify1,verify12,batched), MC_SBS_DRAWS (processes each verify measure
 # runs, one after another, default 3: the figure is their median, the spread between processes of
 # one build ~3-7% at 16 tokens, larger than within one), MC_SBS_ENGINE_NEED (seconds the engine part
@@ -177,14 +179,16 @@ if [ ! -f "$S/build.started" ]; then
   case ",$BUILDS," in *,stock,*) BUILD_STOCK=1 ;; *) BUILD_STOCK=0 ;; esac
   echo "$HASH $BUILD_STOCK" > "$S/build-for.txt"  # what the state holds (checked by every later call)
   # the patched build made on the CPU machine (bench/gpu/prebuild.py) for this series and this GPU's
-  # arch, where it passes its check here (bench/gpu/use_prebuilt.sh); MC_SBS_PREBUILT=0: build here
-  PREBUILT=$ROOT/.device/prebuilt-patched-${HASH:0:16}-sm$ARCH.tar.xz
+  # arch, where it passes its check here (bench/gpu/use_prebuilt.sh); MC_SBS_PREBUILT=0: build here.
+  # With stock in the call, only stock is built here (build.sh skips the patched build)
+  PREBUILT=${MC_SBS_PREBUILT_DIR:-$ROOT/.device}/prebuilt-patched-${HASH:0:16}-sm$ARCH.tar.xz
   TAKEN=0
-  if [ "$BACKEND" = cuda ] && [ $BUILD_STOCK = 0 ] && [ "${MC_SBS_PREBUILT:-1}" = 1 ] && [ -f "$PREBUILT" ]; then
+  if [ "$BACKEND" = cuda ] && [ "${MC_SBS_PREBUILT:-1}" = 1 ] && [ -f "$PREBUILT" ]; then
     MSG=$(bash "$ROOT/bench/gpu/use_prebuilt.sh" "$S" "$PREBUILT" CUDA0 "$HASH") && TAKEN=1
     log "$MSG"
   fi
-  if [ $TAKEN = 1 ]; then
+  [ $TAKEN = 0 ] || touch "$S/patched.prebuilt"
+  if [ $TAKEN = 1 ] && [ $BUILD_STOCK = 0 ]; then
     # the source tree patched as the build would leave it (the kernel labs compile from it)
     for p in $(grep -v '^#' "$S/ggml-patches/series"); do
       patch -p1 --forward --batch --silent -d "$SRCROOT" < "$S/ggml-patches/patches/$p" > /dev/null ||
@@ -213,7 +217,7 @@ stage() {  # copy the build's programs and libraries to \$1, and build the measu
 if [ ! -f $S/stock.done ] && [ $BUILD_STOCK = 1 ]; then  # MC_SBS_BUILDS without stock: patched only
   cmake --build $S/build -j \$(nproc) --target $TARGETS_STOCK || exit 1
   stage $S/stock || exit 1
-  echo "stock_build_s \$((\$(date +%s) - t0))" > $S/build-times.txt
+  echo "stock_build_s \$((\$(date +%s) - t0))" >> $S/build-times.txt  # after a prebuilt's lines
   touch $S/stock.done
 fi
 t1=\$(date +%s)
@@ -223,6 +227,7 @@ if [ ! -f $S/patches.applied ]; then
   done
   touch $S/patches.applied
 fi
+[ ! -f $S/patched.prebuilt ] || exit 0  # the patched programs came from the archive; the source is patched (labs)
 cmake $S/build > /dev/null || exit 1  # a patch may add source files: configure again
 cmake --build $S/build -j \$(nproc) --target $TARGETS || exit 1
 stage $S/patched || exit 1

@@ -8,6 +8,7 @@ are shell scripts and one real C program (the loader's check); building the real
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -69,7 +70,8 @@ def test_archive_name_holds_the_series_and_the_arch():
             prebuild.archive_name(series, arch)
     # side_by_side.sh looks for the same name
     script = (ROOT / "bench" / "gpu" / "side_by_side.sh").read_text()
-    assert "PREBUILT=$ROOT/.device/prebuilt-patched-${HASH:0:16}-sm$ARCH.tar.xz" in script
+    name = "prebuilt-patched-${HASH:0:16}-sm$ARCH.tar.xz"
+    assert "PREBUILT=${MC_SBS_PREBUILT_DIR:-$ROOT/.device}/" + name in script
     assert 'use_prebuilt.sh" "$S" "$PREBUILT" CUDA0 "$HASH") && TAKEN=1' in script
 
 
@@ -162,3 +164,93 @@ def test_prebuild_builds_what_side_by_side_builds():
     for flag in flags:
         name, _, value = flag.partition("=")
         assert (flag if "$" not in value else f"{name}=") in source, flag
+
+
+def tool(bin_dir: Path, name: str, body: str) -> None:
+    f = bin_dir / name
+    f.write_text("#!/bin/sh\n" + body + "\n")
+    f.chmod(0o755)
+
+
+@pytest.mark.parametrize("builds", ["stock,patched", "patched"])
+def test_side_by_side_builds_only_stock_beside_a_taken_archive(tmp_path, builds):
+    """side_by_side.sh with an archive for this series in MC_SBS_PREBUILT_DIR: a patched-only call builds
+    nothing; a call with stock builds stock alone (its targets, once), then patches the source tree for
+    the labs, and keeps the archive's patched programs; both times' lines kept. The machine's tools are
+    stand-ins here (cmake, g++, patch, nvidia-smi as scripts logging their arguments); the measurements
+    after the build stop at the short deadline (exit 3)."""
+    series = subprocess.run(
+        [sys.executable, "-c", "import build; print(build.series_hash())"],
+        cwd=ROOT / "ggml-patches",
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    archive = make_archive(tmp_path, series=series)
+    pre = tmp_path / "pre"
+    pre.mkdir()
+    archive.rename(pre / prebuild.archive_name(series, "90"))
+    src = tmp_path / "sd" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
+    src.mkdir(parents=True)
+    sdist = tmp_path / "sdist.tar.gz"
+    with tarfile.open(sdist, "w:gz") as t:
+        t.add(tmp_path / "sd" / "llama_cpp_python-0.3.36", arcname="llama_cpp_python-0.3.36")
+    bin_dir, log = tmp_path / "bin", tmp_path / "tools.log"
+    bin_dir.mkdir()
+    tool(bin_dir, "nvidia-smi", 'case "$*" in *compute_cap*noheader*) echo 9.0 ;; esac')
+    tool(
+        bin_dir,
+        "cmake",
+        f'echo "cmake $*" >> {log}\n'
+        'if [ "$1" = --build ]; then\n'
+        '  mkdir -p "$2/bin" && touch "$2/bin/libllama.so" "$2/bin/llama-batched-bench"\nfi',
+    )
+    out_arg = 'while [ $# -gt 1 ]; do [ "$1" = -o ] && touch "$2"; shift; done'
+    tool(bin_dir, "g++", f'echo "g++ $*" >> {log}\n{out_arg}')
+    tool(bin_dir, "patch", f'echo "patch $*" >> {log}\ncat > /dev/null')
+    model = tmp_path / "model.gguf"
+    model.write_text("")
+    state = tmp_path / "state"
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("MC_")},
+        "OUT": str(tmp_path / "out"),
+        "MC_STATE": str(state),
+        "MC_SDIST": str(sdist),
+        "MC_BENCH_MODEL": str(model),
+        "MC_SBS_ENGINE": "0",
+        "MC_SBS_BUILDS": builds,
+        "MC_SBS_PREBUILT_DIR": str(pre),
+        "MC_SBS_WHEELS": str(tmp_path / "nowheels"),
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+    }
+    res = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu" / "side_by_side.sh"), "45"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    steps = (state / "steps.log").read_text()
+    assert f"prebuilt {prebuild.archive_name(series, '90')} taken" in steps, (steps, res.stdout)
+    assert (state / "build.rc").read_text().strip() == "0", (state / "build.log").read_text()
+    assert res.returncode == 3, res.stdout  # past the build, stopped by the deadline
+    calls = log.read_text().splitlines() if log.exists() else []
+    builds_run = [c for c in calls if c.startswith("cmake --build")]
+    series_file = (ROOT / "ggml-patches" / "series").read_text()
+    n_patches = len([p for p in series_file.split() if p.endswith(".patch")])
+    patches = [c for c in calls if c.startswith("patch ")]
+    times = dict(ln.split() for ln in (state / "build-times.txt").read_text().splitlines())
+    assert times["patched_prebuilt"] == prebuild.archive_name(series, "90")
+    assert (state / "patched" / "mc_gpu_bench").read_text() == "#!/bin/sh\nexit 0\n"  # the archive's
+    if builds == "patched":
+        assert builds_run == [] and "stock_build_s" not in times
+        assert not (state / "build.sh").exists()
+    else:
+        assert len(builds_run) == 1, calls
+        assert builds_run[0].endswith("--target llama ggml llama-batched-bench"), calls
+        assert "stock_build_s" in times and "patched_rebuild_s" not in times
+        for prog in ("llama-batched-bench", "mc_gpu_bench"):
+            assert (state / "stock" / prog).exists(), prog
+        assert calls.index(builds_run[0]) < calls.index(patches[0])  # stock from the source as shipped
+    assert len(patches) == n_patches  # the source tree patched once, for the labs
