@@ -72,22 +72,30 @@ def test_the_sliding_window_takes_stocks_taps_in_stocks_order_and_leaves_the_sam
 def test_the_kernel_reads_before_it_writes_and_sums_as_the_emulation(patched):
     """The state's 3 values are read before anything is written and written back after the last token
     (so the update may be the rows read); each token is read before its output is written (so the
-    output may be the tokens' memory, element for element); the statements the emulation transcribes."""
+    output may be the tokens' memory, element for element); the statements the emulation transcribes
+    (one token's step in mc_conv_slide since patch 0067, which both forms of the kernel call)."""
     source = (patched / "ggml/src/ggml-cuda/ssm-conv.cu").read_text()
     kernel = c_body(source, "static __global__ void mc_conv_steps(")
     read, loop = kernel.index("win[j] = st[j];"), kernel.index("for (int t = 0; t < n_t; ++t) {")
-    token, out = kernel.index("win[NC - 1] = xc[t * x_nb0];"), kernel.index("yc[t * y_nb1] = ")
-    shift, update = kernel.index("win[j] = win[j + 1];"), kernel.index("so[j] = win[j];")
-    assert kernel.index("ggml_cuda_pdl_sync();") < read < loop < token < out < shift < update
+    out = kernel.index("yc[t * y_nb1] = mc_conv_slide<NC>(win, wc, xc[t * x_nb0]);")
+    update = kernel.index("so[j] = win[j];")
+    assert kernel.index("ggml_cuda_pdl_sync();") < read < loop < out < update
     assert kernel.index("ggml_cuda_pdl_lc();") < kernel.index("ggml_cuda_pdl_sync();")
+    assert "if (mc_conv_gates_part(gates, channels)) {" in kernel  # the gates' blocks, as patch 0057's kernel
+    slide = c_body(source, "static __device__ __forceinline__ float mc_conv_slide(")
+    token, shift = slide.index("win[NC - 1] = xin;"), slide.index("win[j] = win[j + 1];")
+    assert (
+        token
+        < slide.index("sumf += win[j] * wc[j];")
+        < shift
+        < slide.index("return ggml_cuda_op_silu_single(sumf);")
+    )
     assert_statements(
-        kernel,
+        slide,
         (
             "float sumf  = 0.0f;",
             "sumf += win[j] * wc[j];",
             "sumf += 0.0f;  // ssm_conv_f32's bias term without a bias",
-            "yc[t * y_nb1] = ggml_cuda_op_silu_single(sumf);",
-            "if (mc_conv_gates_part(gates, channels)) {",  # the gates' blocks, as patch 0057's kernel
         ),
     )
     # the launcher: the several-token kernel for n_t > 1, patch 0057's unchanged for one token
@@ -95,11 +103,12 @@ def test_the_kernel_reads_before_it_writes_and_sums_as_the_emulation(patched):
     assert "const int n_t = (int) (concat->ne[0] - (weight->ne[0] - 1));" in launch
     assert (
         launch.index("if (n_t > 1) {")
-        < launch.index("mc_conv_steps<4>")
+        < launch.index("mc_conv_steps<4, false>")
         < launch.index("mc_conv_step<4>, params,")
     )
     fits = c_body(source, "bool ggml_cuda_mc_conv_step_fits(")
-    assert "concat->ne[0] >= 4 && concat->ne[0] <= 3 + 32" in fits
+    assert "concat->ne[0] >= 4 && concat->ne[0] <= 3 + MC_CONV_TOKENS_MAX" in fits
+    assert "#define MC_CONV_TOKENS_MAX 32" in source
 
 
 def test_the_guard_takes_several_tokens_by_default_and_only_with_their_shapes(patched):
@@ -119,5 +128,6 @@ def test_the_guard_takes_several_tokens_by_default_and_only_with_their_shapes(pa
 
 @pytest.mark.parametrize("arch", ["90", "120"])
 def test_the_several_token_kernel_compiles_without_spills(patched, arch, tmp_path):
-    found = kernel_reports(patched, "ssm-conv.cu", arch, tmp_path, r"_Z13mc_conv_stepsILi4EE\w+")
-    assert len(found) == 1 and found[0][0] == "0" and int(found[0][1]) <= 64, found
+    found = kernel_reports(patched, "ssm-conv.cu", arch, tmp_path, r"_Z13mc_conv_stepsILi4ELb[01]EE\w+")
+    # both forms (patch 0067's PRE holds the 32 tokens' inputs in registers)
+    assert len(found) == 2 and all(f[0] == "0" and int(f[1]) <= 80 for f in found), found
