@@ -57,10 +57,8 @@ def test_the_setting_is_read_once_and_every_launch_passes_it(patched):
     norm = sources["norm.cu"]
     assert norm.count("1.0f, q8, ggml_cuda_mc_w_prefetch());") == 1  # the cached form
     assert norm.count("nullptr, 0);") == 6  # the other rms_norm_f32 launches: no request
-    assert (
-        "(float *) mul->data, ncols, eps, q8,\n                            ggml_cuda_mc_w_prefetch(), ph);"
-        in norm
-    )
+    launch = "(float *) mul->data, ncols, eps, q8,\n" + " " * 28 + "ggml_cuda_mc_w_prefetch(), ph, pre);"
+    assert launch in norm
     rope = sources["rope.cu"]
     assert rope.count("is_neox, sections, mrope, ggml_cuda_mc_w_prefetch());") == 4
     attn_pro = c_body(rope, "void ggml_cuda_op_mc_attn_pro(")  # patch 0059
