@@ -179,13 +179,7 @@ def test_side_by_side_builds_only_stock_beside_a_taken_archive(tmp_path, builds)
     the labs, and keeps the archive's patched programs; both times' lines kept. The machine's tools are
     stand-ins here (cmake, g++, patch, nvidia-smi as scripts logging their arguments); the measurements
     after the build stop at the short deadline (exit 3)."""
-    series = subprocess.run(
-        [sys.executable, "-c", "import build; print(build.series_hash())"],
-        cwd=ROOT / "ggml-patches",
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
+    series = prebuild.build.series_hash()  # the hash prebuild.py names its archive with
     archive = make_archive(tmp_path, series=series)
     pre = tmp_path / "pre"
     pre.mkdir()
