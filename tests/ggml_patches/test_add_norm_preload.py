@@ -1,4 +1,4 @@
-"""Patch 0068 (MC_ADD_NORM_PRELOAD, default 0 until a GPU run measures it): the residual add + RMS norm x
+"""Patch 0068 (MC_ADD_NORM_PRELOAD, default 0: level on an H100, runs CO / CP): the residual add + RMS norm x
 weight (mc_add_rms_norm_mul_f32: 48 a decode step after the Gated DeltaNet output projections, split over 8
 blocks a row; 127 a 16-token verify step, one block a row) reads every column's two inputs before it stores
 the first sum. In the loop it had, a column's reads wait for the column before it to be stored: the sum

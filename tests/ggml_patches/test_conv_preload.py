@@ -1,5 +1,5 @@
-"""Patch 0067 (MC_CONV_PRELOAD, default 0 until a GPU run measures it): patch 0063's several-token conv step
-reads every token's input into registers before it writes the first output. In 0063's loop a token's read
+"""Patch 0067 (MC_CONV_PRELOAD, default 0: level on an H100, runs CO / CP): patch 0063's several-token conv
+step reads every token's input into registers before it writes the first output. In 0063's loop a token's read
 waits for the last token's output to be stored (the output may be the tokens' memory, element for
 element, so the compiler keeps the order): a 16-token verify step's conv was 16 reads one after another,
 5.06 us a launch (48 a step) in run CL's trace on the H200. Checked here: the reads all come before the
