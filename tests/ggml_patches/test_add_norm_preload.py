@@ -1,4 +1,4 @@
-"""Patch 0068 (MC_ADD_NORM_PRELOAD, default 0: level on an H100, runs CO / CP): the residual add + RMS norm x
+"""Patch 0068 (MC_ADD_NORM_PRELOAD, default 1: runs CO / CQ on H100s): the residual add + RMS norm x
 weight (mc_add_rms_norm_mul_f32: 48 a decode step after the Gated DeltaNet output projections, split over 8
 blocks a row; 127 a 16-token verify step, one block a row) reads every column's two inputs before it stores
 the first sum. In the loop it had, a column's reads wait for the column before it to be stored: the sum
@@ -48,7 +48,7 @@ def test_the_setting_is_read_once_and_passed_to_every_form(patched):
     assert "const int mc_wpf, const mc_preh_out ph, const int mc_pre) {" in c_body(norm, KERNEL)
     host = c_body(norm, "bool ggml_cuda_mc_add_rms_norm_mul(")
     assert (
-        'static const int pre = ggml_cuda_mc_env_int("MC_ADD_NORM_PRELOAD", 0, 1, 0);' in host
+        'static const int pre = ggml_cuda_mc_env_int("MC_ADD_NORM_PRELOAD", 0, 1, 1);' in host
     )  # off until measured
     assert host.count("ggml_cuda_kernel_launch(kernel, params,") == 1 and "ph, pre);" in host
 

@@ -1,4 +1,4 @@
-"""Patch 0067 (MC_CONV_PRELOAD, default 0: level on an H100, runs CO / CP): patch 0063's several-token conv
+"""Patch 0067 (MC_CONV_PRELOAD, default 1: runs CO / CQ on H100s): patch 0063's several-token conv
 step reads every token's input into registers before it writes the first output. In 0063's loop a token's read
 waits for the last token's output to be stored (the output may be the tokens' memory, element for
 element, so the compiler keeps the order): a 16-token verify step's conv was 16 reads one after another,
@@ -45,6 +45,6 @@ def test_the_setting_picks_the_form_for_several_tokens_only(patched):
     source = (patched / "ggml/src/ggml-cuda/ssm-conv.cu").read_text()
     launch = c_body(source, "void ggml_cuda_mc_conv_step(")
     several = launch[launch.index("if (n_t > 1) {") : launch.index("return;")]
-    assert 'ggml_cuda_mc_env_int("MC_CONV_PRELOAD", 0, 1, 0) == 1' in several  # off until measured
+    assert 'ggml_cuda_mc_env_int("MC_CONV_PRELOAD", 0, 1, 1) == 1' in several  # on by default (runs CO / CQ)
     assert "pre ? mc_conv_steps<4, true> : mc_conv_steps<4, false>" in several
     assert "mc_conv_step<4>, params," in launch[launch.index("return;") :]  # one token: patch 0057's kernel
