@@ -30,6 +30,16 @@
 #                            own (logits_patched_vNAME_vs_patched_vNAME2: name the copies alone beside the
 #                            copies with a change, and the change's bytes are told apart from the copies')
 #
+#   builds [OPS]             the prebuilt patched programs (the archive in .device, as the settings plans
+#                            take them) against the same series built on this machine (MC_SBS_PREBUILT=0,
+#                            the state $MC_STATE-built, the model shared): both logits (builds.json:
+#                            same_bytes), OPS (default MC_ADD_RMS_NORM_MUL) on each, warm rounds
+#                            alternating the two programs (MC_CALLS_ROUNDS, default 6: tg at 0 / 4k and
+#                            verify 1 / 16 at 512: $OUT/warm.json, through warm_repeats.py's MC_WARM_BENCH)
+#                            and both decode steps traced and lined up ($OUT/trace_compare.json: {built:
+#                            comparison}): whether figures taken on the archive's programs are a device
+#                            build's. One call on a warm machine (~250 s of build there).
+#
 #   MC_CALLS_LEAN=1 (setting / settings): after the logits and OPS, only one sequence's verify at depth
 #   512 (1 and 16 tokens) in MC_CALLS_ROUNDS (default 4) alternating rounds ($OUT/warmv.json), no decode
 #   rounds, no traces: one fresh-machine call (~275 s build + ~60 s a round of three settings) for a
@@ -81,6 +91,48 @@ case $PLAN in
     [ $rc = 0 ] || exit $rc
     phase trace-defaults 90 python3 "$ROOT/bench/gpu/step_trace.py" trace --bench "$BENCH" --model "$MODEL" \
       --tokens 64 --json "$OUT/trace_defaults.json" --csv "$S/trace-defaults.csv"
+    ;;
+  builds)
+    OPS=${1:-MC_ADD_RMS_NORM_MUL}
+    S2=$S-built
+    mkdir -p "$OUT" "$S"
+    export MC_SBS_BUILDS=patched MC_SBS_MEASURE=logits MC_SBS_OPS=$OPS MC_SBS_ENGINE=0 MC_SBS_VARIANTS=
+    sbs; rc=$?
+    [ $rc = 0 ] || exit $rc
+    [ -f "$S/patched.prebuilt" ] || {
+      log "builds: the state $S holds no prebuilt programs" \
+        "(no archive for this series in .device, or its check failed)"
+      exit 2; }
+    MC_STATE=$S2 MC_SBS_PREBUILT=0 MC_BENCH_MODEL=$MODEL sbs; rc=$?
+    [ $rc = 0 ] || exit $rc
+    [ ! -f "$S2/patched.prebuilt" ] || { log "builds: $S2 took the archive instead of building"; exit 2; }
+    BUILT=$S2/patched/mc_gpu_bench
+    python3 - "$ROOT/bench/gpu" "$S" "$S2" "$OUT/builds.json" <<'PY'
+import json, shutil, sys
+from pathlib import Path
+
+sys.path.insert(0, sys.argv[1])
+from sbs_summary import compare_logits
+
+s, s2, out = Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
+for ext in ("bin", "out"):  # the device build's logits beside the archive's, as a build of their own
+    shutil.copy2(s2 / f"patched-logits.{ext}", s / f"built-logits.{ext}")
+res = {"logits_built_vs_prebuilt": compare_logits(s, "built", "patched")}
+out.write_text(json.dumps(res, indent=1) + "\n")
+print(res)
+PY
+    phase warm-builds 120 python3 "$ROOT/bench/gpu/warm_repeats.py" --bench "$BENCH" --model "$MODEL" \
+      --setting prebuilt= --setting "built=MC_WARM_BENCH=$BUILT" --rounds "${MC_CALLS_ROUNDS:-6}" \
+      --measure tg:0,4096:64 --measure verify:512:1:1,16 --json "$OUT/warm.json" --deadline $(($(left) - 60))
+    TRACE=(python3 "$ROOT/bench/gpu/step_trace.py" trace --model "$MODEL" --tokens 64)
+    for B in prebuilt built; do
+      P=$BENCH; [ $B = prebuilt ] || P=$BUILT
+      phase "trace-$B" 40 "${TRACE[@]}" --bench "$P" --json "$S/trace-$B.json" --csv "$S/trace-$B.csv"
+    done
+    phase compare-built 10 python3 "$ROOT/bench/gpu/step_trace.py" compare "$S/trace-prebuilt.json" \
+      "$S/trace-built.json" --json "$S/compare-built.json"
+    python3 -c 'import json, sys; json.dump({"built": json.load(open(sys.argv[1]))}, open(sys.argv[2], "w"))' \
+      "$S/compare-built.json" "$OUT/trace_compare.json"
     ;;
   setting | settings)
     # setting NAME=VARS [OPS] is settings OPS NAME=VARS: one or more settings (NAME=VAR=VAL[,VAR=VAL...]) of
@@ -161,7 +213,7 @@ out.write_text(json.dumps(found, indent=1) + "\n")
 PY
     ;;
   *)
-    echo "usage: OUT=DIR bash bench/gpu/calls.sh sbs|setting NAME=VAR=VAL[,...] [OPS]|settings OPS NAME=VAR=VAL[,...]..." \
+    echo "usage: OUT=DIR bash bench/gpu/calls.sh sbs|builds [OPS]|setting NAME=VAR=VAL[,...] [OPS]|settings OPS NAME=VAR=VAL[,...]..." \
       "[deadline_seconds]"
     exit 2 ;;
 esac

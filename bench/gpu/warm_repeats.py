@@ -10,10 +10,13 @@ usage (on the GPU machine, after bench/gpu/side_by_side.sh has built the patched
       --setting copies=MC_MMH_REPACK=3 --setting rs5=MC_MMH_REPACK=3,MC_MMR_RS=5 \\
       --measure verify:512:1:1,16 --measure verify:512:12:1 --measure tg:0,4096:64 --json $OUT/warm.json
 
-A setting is NAME=VAR=VALUE[,VAR=VALUE...] (NAME= alone: the defaults). A setting's LD_LIBRARY_PATH
-replaces the bench's folder: another build's libraries (e.g. an incremental rebuild without one patch,
-copied to a folder of its own) then run under the same program, so two builds alternate on one
-machine (run AY). A measure is
+A setting is NAME=VAR=VALUE[,VAR=VALUE...] (NAME= alone: the defaults). A setting's MC_WARM_BENCH=PATH
+runs another build's program (PATH, its folder leading LD_LIBRARY_PATH) instead of --bench, so two
+builds alternate on one machine (the prebuilt patched programs against a build made there:
+calls.sh's builds plan); it is not passed to the program. A setting's LD_LIBRARY_PATH replaces the
+bench's folder, but mc_gpu_bench as side_by_side.sh and prebuild.py link it (a DT_RPATH of $ORIGIN,
+since 537300b) loads its own folder's libraries first, so that no longer swaps builds (run AY's swap
+was made before, with a DT_RUNPATH). A measure is
 verify:DEPTH:SEQS:K[,K...] (ms of one decode of K tokens for each of SEQS sequences) or
 tg:DEPTH[,DEPTH...]:N (tokens/s of single-stream decode). A verify measure that has K = 1 beside
 larger K also gives each larger K's cost over one token's from the same process
@@ -38,6 +41,13 @@ import time
 from pathlib import Path
 
 VERIFY_KEY = re.compile(r"verify_d(\d+)_s(\d+)_k(\d+)_ms")
+BENCH_VAR = "MC_WARM_BENCH"  # a setting's own program (another build), not passed to it
+
+
+def program_for(bench: Path, env: dict[str, str]) -> tuple[Path, dict[str, str]]:
+    """The program a setting runs (its MC_WARM_BENCH, else --bench) and the environment it gets."""
+    other = env.get(BENCH_VAR)
+    return (Path(other) if other else bench), {k: v for k, v in env.items() if k != BENCH_VAR}
 
 
 def parse_setting(text: str) -> tuple[str, dict[str, str]]:
@@ -164,6 +174,10 @@ def main() -> None:
     if not os.access(a.bench, os.X_OK):
         raise SystemExit(f"--bench {a.bench}: no such program (bench/gpu/side_by_side.sh builds it)")
     settings = [parse_setting(s) for s in a.setting]
+    for name, env in settings:
+        other = env.get(BENCH_VAR)
+        if other is not None and not os.access(other, os.X_OK):
+            raise SystemExit(f"--setting {name}: {BENCH_VAR}={other}: no such program")
     names = [n for n, _ in settings]
     if len(set(names)) != len(names):
         raise SystemExit(f"--setting: names must differ, got {names}")
@@ -187,7 +201,8 @@ def main() -> None:
         try:
             for name, env in order:
                 for m in measures:
-                    round_draws.setdefault(name, {}).update(run_one(a.bench, a.model, m, env))
+                    bench, penv = program_for(a.bench, env)
+                    round_draws.setdefault(name, {}).update(run_one(bench, a.model, m, penv))
         except SystemExit as e:  # the program failed: the finished rounds stay in the JSON
             if order_log:
                 write_result(a, settings, order_log, draws, f"round {r + 1}: {e}")

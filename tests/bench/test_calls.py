@@ -3,6 +3,7 @@ plan or setting is named before anything is built, measured or written."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -22,7 +23,7 @@ def call(tmp_path: Path, *args: str, cwd: Path = ROOT, **extra: str) -> subproce
 
 def test_bad_plans_and_settings_are_refused_before_anything_runs(tmp_path):
     cases = {
-        ("nope",): "usage: OUT=DIR bash bench/gpu/calls.sh sbs|setting",
+        ("nope",): "usage: OUT=DIR bash bench/gpu/calls.sh sbs|builds [OPS]|setting",
         ("setting", "bad-name=X=1"): "with NAME of letters, digits and _ (not on), got 'bad-name=X=1'",
         ("setting", "fs=MC_A=1,oops", "300"): "setting fs: 'oops' is not VAR=VALUE",
         ("setting", "fs=", "300"): "setting fs: no VAR=VALUE given",
@@ -90,3 +91,64 @@ def test_a_lean_plan_runs_the_verify_rounds_alone_and_a_bad_lean_value_is_refuse
     # called again (a call cut short asks for that), the finished rounds are not run twice
     res = call(tmp_path, *args, cwd=root, MC_CALLS_LEAN="1")
     assert res.returncode == 0 and len(ran.read_text().splitlines()) == 1
+
+
+SBS_STANDIN = """echo "sbs state=$MC_STATE prebuilt=${MC_SBS_PREBUILT:-} model=${MC_BENCH_MODEL:-}" \\
+  "builds=$MC_SBS_BUILDS measure=$MC_SBS_MEASURE ops=$MC_SBS_OPS variants=[$MC_SBS_VARIANTS]" >> RAN
+mkdir -p "$MC_STATE"
+[ "${MC_SBS_PREBUILT:-1}" = 0 ] || [ -n "${STANDIN_NO_ARCHIVE:-}" ] || touch "$MC_STATE/patched.prebuilt"
+echo '{"n_vocab": 4}' > "$MC_STATE/patched-logits.out"
+python3 -c "import struct, sys; open(sys.argv[1], 'wb').write(struct.pack('8f', *range(8)))" \\
+  "$MC_STATE/patched-logits.bin"
+"""
+
+
+def test_the_builds_plan_sets_the_archives_programs_against_a_build_made_there(tmp_path):
+    """calls.sh builds: the side-by-side once on the archive (its state), once told to build
+    (MC_SBS_PREBUILT=0, the state STATE-built, the first state's model), the two logits compared with
+    sbs_summary's own comparison, the rounds alternating the two programs (MC_WARM_BENCH) and both
+    decode steps traced and lined up. A state that did not take the archive stops the plan."""
+    root = tmp_path / "root"
+    (root / "bench" / "gpu").mkdir(parents=True)
+    ran = tmp_path / "ran.txt"
+    (root / "bench" / "gpu" / "side_by_side.sh").write_text(SBS_STANDIN.replace("RAN", str(ran)))
+    for name in ("sbs_summary.py", "sass_summary.py"):  # the real comparison
+        (root / "bench" / "gpu" / name).write_text((ROOT / "bench" / "gpu" / name).read_text())
+    (root / "bench" / "gpu" / "warm_repeats.py").write_text(
+        f"import sys\nopen({str(ran)!r}, 'a').write('warm ' + ' '.join(sys.argv[1:]) + '\\n')\n"
+    )
+    (root / "bench" / "gpu" / "step_trace.py").write_text(
+        "import json, sys\n"
+        f"open({str(ran)!r}, 'a').write('trace ' + ' '.join(sys.argv[1:]) + '\\n')\n"
+        "a = sys.argv\n"
+        "json.dump({'compared': a[2:4]} if a[1] == 'compare' else {}, open(a[a.index('--json') + 1], 'w'))\n"
+    )
+    path = f"{Path(os.sys.executable).parent}:{os.environ['PATH']}"  # a python3 with numpy
+    res = call(tmp_path, "builds", "300", cwd=root, PATH=path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    state, built = tmp_path / "state", tmp_path / "state-built"
+    lines = ran.read_text().splitlines()
+    model = state / "random-27b-q4_0.gguf"
+    assert lines[0] == (
+        f"sbs state={state} prebuilt= model= builds=patched measure=logits ops=MC_ADD_RMS_NORM_MUL"
+        " variants=[]"
+    )
+    assert lines[1] == (
+        f"sbs state={built} prebuilt=0 model={model} builds=patched measure=logits ops=MC_ADD_RMS_NORM_MUL"
+        " variants=[]"
+    )
+    assert lines[2].startswith(f"warm --bench {state}/patched/mc_gpu_bench --model {model}")
+    assert f"--setting prebuilt= --setting built=MC_WARM_BENCH={built}/patched/mc_gpu_bench" in lines[2]
+    assert "--measure tg:0,4096:64 --measure verify:512:1:1,16" in lines[2]
+    assert lines[3].startswith("trace trace --model") and f"--bench {state}/patched/mc_gpu_bench" in lines[3]
+    assert lines[4].startswith("trace trace --model") and f"--bench {built}/patched/mc_gpu_bench" in lines[4]
+    assert lines[5].startswith(f"trace compare {state}/trace-prebuilt.json {state}/trace-built.json")
+    out = tmp_path / "out"
+    logits = json.loads((out / "builds.json").read_text())["logits_built_vs_prebuilt"]
+    assert logits["same_bytes"] is True and logits["rows"] == 2 and logits["rel_l2_max"] == 0.0
+    assert json.loads((out / "trace_compare.json").read_text()) == {
+        "built": {"compared": [f"{state}/trace-prebuilt.json", f"{state}/trace-built.json"]}
+    }
+    # a state whose side-by-side built instead of taking the archive: nothing to set against
+    res = call(tmp_path / "again", "builds", "300", cwd=root, PATH=path, STANDIN_NO_ARCHIVE="1")
+    assert res.returncode == 2 and "holds no prebuilt programs" in res.stdout

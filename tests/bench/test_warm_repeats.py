@@ -20,6 +20,8 @@ with open(log, "a") as f:
     f.write(os.environ.get("MC_X", "-") + " " + " ".join(sys.argv[1:]) + "\\n")
 with open(log + ".lib", "a") as f:
     f.write(os.environ.get("LD_LIBRARY_PATH", "") + "\\n")
+with open(log + ".prog", "a") as f:
+    f.write(sys.argv[0] + " " + os.environ.get("MC_WARM_BENCH", "-") + "\\n")
 scale = float(os.environ.get("MC_X", "1"))
 calls = sum(1 for _ in open(log))
 if calls > int(os.environ.get("FAKE_FAIL_AFTER", "1000")):
@@ -128,8 +130,9 @@ def test_a_failing_program_stops_with_its_error(tmp_path):
 
 
 def test_a_setting_can_run_another_builds_libraries(tmp_path):
-    """By default the bench's own folder leads LD_LIBRARY_PATH; a setting's LD_LIBRARY_PATH replaces it,
-    so another build's libraries run under the same program (two builds alternating on one machine)."""
+    """By default the bench's own folder leads LD_LIBRARY_PATH; a setting's LD_LIBRARY_PATH replaces it
+    (a program without a DT_RPATH then loads another build's libraries; mc_gpu_bench has one: see
+    MC_WARM_BENCH)."""
     bench = fake_bench(tmp_path)
     res = run(
         tmp_path,
@@ -143,6 +146,31 @@ def test_a_setting_can_run_another_builds_libraries(tmp_path):
     assert res.returncode == 0, res.stderr
     seen = sorted((tmp_path / "log.lib").read_text().split())
     assert seen == sorted([str(tmp_path), "/builds/other"]), seen
+
+
+def test_a_setting_can_run_another_builds_program(tmp_path):
+    """MC_WARM_BENCH=PATH runs that program for the setting (its folder leading LD_LIBRARY_PATH), not
+    passed to it; the others run --bench. A path that is no program is refused before any round."""
+    bench = fake_bench(tmp_path)
+    (tmp_path / "built").mkdir()
+    other = fake_bench(tmp_path / "built")
+    base = ("--bench", str(bench), "--model", "m.gguf", "--json", str(tmp_path / "w.json"))
+    res = run(
+        tmp_path, *base, "--rounds", "2",
+        *("--setting", "prebuilt=", "--setting", f"built=MC_WARM_BENCH={other},MC_X=2"),
+        *("--measure", "tg:0:64"),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    progs = (tmp_path / "log.prog").read_text().split("\n")[:-1]
+    assert sorted(progs) == sorted([f"{bench} -", f"{other} -"] * 2), progs
+    libs = (tmp_path / "log.lib").read_text().split()
+    assert sorted(libs) == sorted([str(tmp_path), str(tmp_path / "built")] * 2), libs
+    summary = json.loads((tmp_path / "w.json").read_text())["summary"]
+    assert summary["built"]["tg_d0_tok_s"]["mean"] == 75.0
+    assert summary["prebuilt"]["tg_d0_tok_s"]["mean"] == 150.0
+    bad = ("--setting", "a=", "--setting", "b=MC_WARM_BENCH=/no/such", "--measure", "tg:0:64")
+    res = run(tmp_path, *base, *bad)
+    assert res.returncode != 0 and "--setting b: MC_WARM_BENCH=/no/such: no such program" in res.stderr
 
 
 def test_the_json_keeps_the_rounds_finished_when_the_program_fails_later(tmp_path):
