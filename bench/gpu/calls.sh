@@ -95,6 +95,11 @@ case $PLAN in
   builds)
     OPS=${1:-MC_ADD_RMS_NORM_MUL}
     S2=$S-built
+    ARCHIVES=${MC_SBS_PREBUILT_DIR:-$ROOT/.device}
+    compgen -G "$ARCHIVES/prebuilt-patched-*.tar.xz" > /dev/null || {
+      echo "builds: no prebuilt archive in $ARCHIVES (python3 bench/gpu/prebuild.py makes one): nothing to set" \
+        "a device build against"
+      exit 2; }
     mkdir -p "$OUT" "$S"
     export MC_SBS_BUILDS=patched MC_SBS_MEASURE=logits MC_SBS_OPS=$OPS MC_SBS_ENGINE=0 MC_SBS_VARIANTS=
     sbs; rc=$?

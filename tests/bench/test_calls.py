@@ -124,6 +124,11 @@ def test_the_builds_plan_sets_the_archives_programs_against_a_build_made_there(t
         "json.dump({'compared': a[2:4]} if a[1] == 'compare' else {}, open(a[a.index('--json') + 1], 'w'))\n"
     )
     path = f"{Path(os.sys.executable).parent}:{os.environ['PATH']}"  # a python3 with numpy
+    res = call(tmp_path, "builds", "300", cwd=root, PATH=path)  # no archive in root/.device
+    assert res.returncode == 2 and "builds: no prebuilt archive in" in res.stdout
+    assert not ran.exists()
+    (root / ".device").mkdir()
+    (root / ".device" / "prebuilt-patched-0123456789abcdef-sm90.tar.xz").write_text("")
     res = call(tmp_path, "builds", "300", cwd=root, PATH=path)
     assert res.returncode == 0, res.stdout + res.stderr
     state, built = tmp_path / "state", tmp_path / "state-built"
