@@ -79,6 +79,16 @@ phase() {  # name, seconds it needs, command...: once per state (a marker), skip
     log "$name stopped (exit $?)"; exit 3; }
 }
 
+gather_compares() {  # suffix, names...: $S/compare-NAMEsuffix.json as one file, $OUT/trace_compare.json
+  python3 - "$OUT/trace_compare.json" "$S" "$@" <<'PY'
+import json, pathlib, sys
+out, state, ts, names = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3], sys.argv[4:]
+files = {n: state / f"compare-{n}{ts}.json" for n in names}
+found = {n: json.loads(f.read_text()) for n, f in files.items() if f.exists()}
+out.write_text(json.dumps(found, indent=1) + "\n")
+PY
+}
+
 case $PLAN in
   sbs)
     mkdir -p "$OUT" "$S"
@@ -93,6 +103,7 @@ case $PLAN in
       --tokens 64 --json "$OUT/trace_defaults.json" --csv "$S/trace-defaults.csv"
     ;;
   builds)
+    [ $# -le 1 ] || { echo "builds: expected at most OPS (a comma list of test-backend-ops ops), got '$*'"; exit 2; }
     OPS=${1:-MC_ADD_RMS_NORM_MUL}
     S2=$S-built
     ARCHIVES=${MC_SBS_PREBUILT_DIR:-$ROOT/.device}
@@ -110,7 +121,6 @@ case $PLAN in
       exit 2; }
     MC_STATE=$S2 MC_SBS_PREBUILT=0 MC_BENCH_MODEL=$MODEL sbs; rc=$?
     [ $rc = 0 ] || exit $rc
-    [ ! -f "$S2/patched.prebuilt" ] || { log "builds: $S2 took the archive instead of building"; exit 2; }
     BUILT=$S2/patched/mc_gpu_bench
     python3 - "$ROOT/bench/gpu" "$S" "$S2" "$OUT/builds.json" <<'PY'
 import json, shutil, sys
@@ -136,8 +146,7 @@ PY
     done
     phase compare-built 10 python3 "$ROOT/bench/gpu/step_trace.py" compare "$S/trace-prebuilt.json" \
       "$S/trace-built.json" --json "$S/compare-built.json"
-    python3 -c 'import json, sys; json.dump({"built": json.load(open(sys.argv[1]))}, open(sys.argv[2], "w"))' \
-      "$S/compare-built.json" "$OUT/trace_compare.json"
+    gather_compares "" built
     ;;
   setting | settings)
     # setting NAME=VARS [OPS] is settings OPS NAME=VARS: one or more settings (NAME=VAR=VAL[,VAR=VAL...]) of
@@ -209,13 +218,7 @@ PY
     # one file back for all of them (the device tool brings back at most 8): {name: the comparison}, and
     # the defaults' own trace of verify steps (there is no sbs trace of those)
     [ -z "$TS" ] || cp "$S/trace-on$TS.json" "$OUT/trace_on$TS.json"
-    python3 - "$OUT/trace_compare.json" "$S" "$TS" "${NAMES[@]}" <<'PY'
-import json, pathlib, sys
-out, state, ts, names = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3], sys.argv[4:]
-files = {n: state / f"compare-{n}{ts}.json" for n in names}
-found = {n: json.loads(f.read_text()) for n, f in files.items() if f.exists()}
-out.write_text(json.dumps(found, indent=1) + "\n")
-PY
+    gather_compares "$TS" "${NAMES[@]}"
     ;;
   *)
     echo "usage: OUT=DIR bash bench/gpu/calls.sh sbs|builds [OPS]|setting NAME=VAR=VAL[,...] [OPS]|settings OPS NAME=VAR=VAL[,...]..." \

@@ -33,6 +33,7 @@ def test_bad_plans_and_settings_are_refused_before_anything_runs(tmp_path):
         ("settings", "MUL_MAT"): "settings: expected OPS NAME=VAR=VAL[,...] ...",
         ("settings", "MUL_MAT", "a=MC_A=1", "a=MC_A=2", "300"): "setting a: named twice",
         ("settings", "MUL_MAT", "a=MC_A=1", "b=oops"): "setting b: 'oops' is not VAR=VALUE",
+        ("builds", "MUL_MAT", "ROPE", "300"): "builds: expected at most OPS (a comma list",
     }
     for args, message in cases.items():
         res = call(tmp_path, *args)
