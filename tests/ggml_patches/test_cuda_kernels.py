@@ -968,10 +968,11 @@ def test_pre_quantized_activations_are_written_by_their_producers_and_taken_by_t
             "ggml_cuda_op_rms_norm_fused(*cuda_ctx, node, cgraph->nodes[i + 1], mc_pq.q8, mc_pq.split)",
             ", 2);",
         ),
-        # (patch 0061: level 2, or up to 3 where the add + norm is split over 8 blocks a row)
+        # (patch 0061: level 2, or up to 3 where the add + norm is split over 8 blocks a row; patch 0069: or
+        # with MC_ADD_NORM_PREQ, test_add_norm_one.py)
         (
             "ggml_cuda_mc_add_rms_norm_mul(*ctx, add, norm, mul, probe != 2, pq.q8, split, ph.out)",
-            ", 2, split ? 3 : 2);",
+            ", 2, pq_max);",
         ),
     ):
         at = main.index(call)

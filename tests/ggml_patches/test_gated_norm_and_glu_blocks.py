@@ -303,8 +303,10 @@ def test_the_split_norm_writes_each_column_once_with_the_whole_rows_sum(patched)
     main = (cuda / "ggml-cuda.cu").read_text()
     plan = c_body(main, "mc_preq_plan_t ggml_cuda_mc_preq_plan(")
     assert "plan.split = level_on == 3 ? 8 : 1;" in plan
-    # the residual add + norm: at MC_PREQ=2 only, unless patch 0061 splits it (test_add_norm_split.py)
-    assert "ggml_cuda_mc_preq_plan(*ctx, cgraph, i + 2, mul, 2, split ? 3 : 2);  // 2 only unsplit" in main
+    # the residual add + norm: at MC_PREQ=2 only, unless patch 0061 splits it or patch 0069's setting asks
+    # (test_add_norm_split.py, test_add_norm_one.py)
+    assert "const int pq_max = split || mc_add_norm_preq_on() ? 3 : 2;" in main
+    assert "ggml_cuda_mc_preq_plan(*ctx, cgraph, i + 2, mul, 2, pq_max);" in main
 
 
 # ---- patch 0056: one token's recurrence on 4 columns a warp (MC_GDN_ONE) ----
