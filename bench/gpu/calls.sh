@@ -45,6 +45,11 @@
 #   rounds, no traces: one fresh-machine call (~275 s build + ~60 s a round of three settings) for a
 #   session whose refused tries left ~500 s (run CJ)
 #
+#   MC_CALLS_GPU=NAME (any plan): only on a GPU whose name holds NAME (case aside, e.g. H200): on any
+#   other, or with no name from nvidia-smi, the call stops at once with exit 4, before anything is built,
+#   generated or written, so a call that wanted the one card and got another costs only the machine's
+#   start (a call naming a kind may get either card)
+#
 # Needs .device/ as side_by_side.sh does (python3 bench/gpu/prepare_device.py). MC_STATE as there
 # (default /tmp/mcs). The plan's commands go to $OUT/calls.log. The setting / settings plans build the
 # patched tree alone, sbs stock and patched, unless .device/ holds bench/gpu/prebuild.py's archive for
@@ -53,6 +58,18 @@
 # fresh machine; sbs: stock's build alone, ~180-230 s).
 set -u
 : "${OUT:?set OUT to the folder for results}"
+if [ -n "${MC_CALLS_GPU:-}" ]; then
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -n 1)
+  if [ -z "$gpu" ]; then
+    echo "MC_CALLS_GPU=$MC_CALLS_GPU: nvidia-smi named no GPU here: stopped before anything ran"
+    exit 4
+  fi
+  if ! grep -qiF -- "$MC_CALLS_GPU" <<< "$gpu"; then
+    echo "MC_CALLS_GPU=$MC_CALLS_GPU: this machine's GPU is '$gpu': stopped before anything ran"
+    exit 4
+  fi
+  echo "MC_CALLS_GPU=$MC_CALLS_GPU: '$gpu'"
+fi
 PLAN=${1:-}
 shift || true
 ROOT=$(pwd)

@@ -158,3 +158,32 @@ def test_the_builds_plan_sets_the_archives_programs_against_a_build_made_there(t
     # a state whose side-by-side built instead of taking the archive: nothing to set against
     res = call(tmp_path / "again", "builds", "300", cwd=root, PATH=path, STANDIN_NO_ARCHIVE="1")
     assert res.returncode == 2 and "holds no prebuilt programs" in res.stdout
+
+
+def test_a_call_for_one_gpu_stops_at_once_on_another(tmp_path):
+    # a stand-in nvidia-smi first on PATH names the GPU; calls.sh runs bench/gpu/side_by_side.sh of the
+    # folder it is called from: a stand-in that records that it ran
+    bin_dir, root = tmp_path / "bin", tmp_path / "root"
+    bin_dir.mkdir()
+    (root / "bench" / "gpu").mkdir(parents=True)
+    ran = tmp_path / "ran.txt"
+    (root / "bench" / "gpu" / "side_by_side.sh").write_text(f"echo sbs >> {ran}\nexit 7\n")
+    smi = bin_dir / "nvidia-smi"
+    path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3'\n")
+    smi.chmod(0o755)
+    res = call(tmp_path, "sbs", "300", cwd=root, MC_CALLS_GPU="h200", PATH=path)
+    assert res.returncode == 4, res.stdout + res.stderr
+    assert "MC_CALLS_GPU=h200: this machine's GPU is 'NVIDIA H100 80GB HBM3': stopped" in res.stdout
+    assert not ran.exists() and not (tmp_path / "out").exists() and not (tmp_path / "state").exists()
+
+    smi.write_text("#!/bin/sh\nexit 9\n")  # no name: the same stop
+    res = call(tmp_path, "sbs", "300", cwd=root, MC_CALLS_GPU="H200", PATH=path)
+    assert res.returncode == 4 and "nvidia-smi named no GPU here" in res.stdout
+    assert not ran.exists()
+
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H200'\n")  # the card asked for: the plan runs
+    res = call(tmp_path, "sbs", "300", cwd=root, MC_CALLS_GPU="H200", PATH=path)
+    assert res.returncode == 7 and "MC_CALLS_GPU=H200: 'NVIDIA H200'" in res.stdout
+    assert ran.read_text() == "sbs\n"
