@@ -621,15 +621,17 @@ def test_the_staged_gated_delta_net_compiles(patched, arch, tmp_path):
     assert all(int(f[5]) <= 40 for f in found if f[1] == "0" and f[0] != "16"), found
     assert "Compiling entry function '_Z12mc_gdn_gates" in out.stderr
     # MC_GDN_WIDE (patch 0022, the default at 2+ tokens): the 4-columns-a-warp staged kernel, with and
-    # without snapshots and the in-kernel normalisation, within 64 registers (8 blocks an SM)
-    name = r"function '_Z11mc_gdn_wideILb(\d)ELb(\d)E\w+'.*?Used (\d+) registers"
+    # without snapshots and the in-kernel normalisation, each with a token's sums in two rounds or in one
+    # (patch 0070, MC_GDN_FUSED_SUMS), within 64 registers (8 blocks an SM)
+    name = r"function '_Z11mc_gdn_wideILb(\d)ELb(\d)ELb(\d)E\w+'.*?Used (\d+) registers"
     wide = re.findall(name, out.stderr, re.S)
-    assert sorted(w[:2] for w in wide) == [(a, b) for a in "01" for b in "01"], wide
-    assert all(int(w[2]) <= 64 for w in wide), wide
-    # MC_GDN_ONE (patch 0056): the one-token kernel with and without the normalisation, within 80
-    # registers (its 384 blocks need 3 an SM)
-    one = re.findall(r"function '_Z10mc_gdn_oneILb(\d)E\w+'.*?Used (\d+) registers", out.stderr, re.S)
-    assert sorted(o[0] for o in one) == ["0", "1"] and all(int(o[1]) <= 80 for o in one), one
+    assert sorted(w[:3] for w in wide) == [(a, b, c) for a in "01" for b in "01" for c in "01"], wide
+    assert all(int(w[3]) <= 64 for w in wide), wide
+    # MC_GDN_ONE (patch 0056): the one-token kernel with and without the normalisation, each in both of
+    # patch 0070's forms, within 80 registers (its 384 blocks need 3 an SM)
+    one = re.findall(r"function '_Z10mc_gdn_oneILb(\d)ELb(\d)E\w+'.*?Used (\d+) registers", out.stderr, re.S)
+    assert sorted(o[:2] for o in one) == [(a, b) for a in "01" for b in "01"], one
+    assert all(int(o[2]) <= 80 for o in one), one
     source = (patched / "ggml" / "src" / "ggml-cuda" / "gated_delta_net.cu").read_text()
     assert 'ggml_cuda_mc_env_int("MC_GDN_WIDE", 0, 1, 1)' in source
     # MC_GDN_WIDE=2 (the chunked form, measured no faster than the staged kernel, dropped): not there
