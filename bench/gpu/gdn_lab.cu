@@ -6,8 +6,8 @@
 // state) against the wide kernel's (the default at 2+ tokens) or the stock one's (at one token), and
 // against the recurrence computed in double on the host (null in the JSON: a value that is not finite).
 // Variants: stock (patch 0017's CH = 0), staged (CH = 16, MC_GDN_STAGE), wide (MC_GDN_WIDE, the default
-// at 2+ tokens, with a token's sums in two rounds: MC_GDN_FUSED_SUMS=0), widefs (the same kernel with
-// patch 0070's one round, the default). Output: one JSON object a line.
+// at 2+ tokens, with a token's sums in two rounds, MC_GDN_FUSED_SUMS's default 0), widefs (the same
+// kernel with patch 0070's one round, MC_GDN_FUSED_SUMS=1). Output: one JSON object a line.
 // Usage: gdn_lab REPEATS TOKENS [TOKENS ...] (bench/gpu/gdn_lab.py compiles it against a patched tree;
 // the host functions the op's launcher names are stubs here that stop the program: none of them runs)
 #include "gated_delta_net.cu"

@@ -1,11 +1,12 @@
-"""Patch 0070 (mc-gdn-fused-sums, MC_GDN_FUSED_SUMS, default 1): a token of the Gated DeltaNet recurrence
-on mc_gdn_wide's mapping (mc_gdn_wide at 2+ tokens, mc_gdn_one at one) with its sums in one round:
-attn = g (S . q) + delta (k . q) over the state before the update, S . k, S . q and k . q reduced across
-the column's lanes together, where the stock order ran S . k, the update, then the updated S . q (two
-dependent rounds of multiply-adds and shuffles). The recurrence's equality is checked by the emulation
-in test_gdn_wide_layout.py (fused=True) and its float32 error against the two-round form's there; on a
-GPU by test-backend-ops GATED_DELTA_NET / MC_GDN_LAYER under each setting and by the GDN lab's widefs
-variant (bench/gpu/kernel_lab.py gdn: against the recurrence in double on the host)."""
+"""Patch 0070 (mc-gdn-fused-sums, MC_GDN_FUSED_SUMS, default 0 until measured on a GPU): a token of the
+Gated DeltaNet recurrence on mc_gdn_wide's mapping (mc_gdn_wide at 2+ tokens, mc_gdn_one at one) with
+its sums in one round: attn = g (S . q) + delta (k . q) over the state before the update, S . k, S . q
+and k . q reduced across the column's lanes together, where the stock order ran S . k, the update,
+then the updated S . q (two dependent rounds of multiply-adds and shuffles). The recurrence's equality
+is checked by the emulation in test_gdn_wide_layout.py (fused=True) and its float32 error against the
+two-round form's there; on a GPU by test-backend-ops GATED_DELTA_NET / MC_GDN_LAYER under each setting
+and by the GDN lab's widefs variant (bench/gpu/kernel_lab.py gdn: against the recurrence in double on
+the host)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def test_the_step_has_both_forms_and_the_fused_one_reduces_three_sums_together(p
 def test_the_setting_picks_the_form_for_both_kernels(patched):
     gdn = (patched / "ggml/src/ggml-cuda/gated_delta_net.cu").read_text()
     launch = c_body(gdn, "static void launch_gated_delta_net(")
-    assert 'static const bool fs = ggml_cuda_mc_env_int("MC_GDN_FUSED_SUMS", 0, 1, 1) == 1;' in launch
+    assert 'static const bool fs = ggml_cuda_mc_env_int("MC_GDN_FUSED_SUMS", 0, 1, 0) == 1;' in launch
     for kernel in (
         "mc_gdn_one<true, true>",
         "mc_gdn_one<true, false>",
