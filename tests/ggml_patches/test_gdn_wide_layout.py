@@ -127,8 +127,9 @@ def test_every_state_element_has_one_owner():
 
 
 def one_column_f32(s0, q, k, v, g, beta, fused):
-    """One column's recurrence in float32 as a lane group computes it (the sums in 4 chains of the
-    column's 128 rows, then added), the two-round form or patch 0070's one round: the outputs."""
+    """One column's recurrence in float32, the two-round form or patch 0070's one round: the outputs.
+    Each sum runs as 4 chains over the column's 128 rows, then added: a stand-in for the kernel's order
+    (4 chains over a lane's 16 rows, then the 8 lanes' butterfly), close enough to compare error sizes."""
     f = np.float32
     s = s0.astype(f).copy()
     out = []
