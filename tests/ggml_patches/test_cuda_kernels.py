@@ -321,7 +321,12 @@ def test_the_persistent_one_column_kernel_is_wired_and_falls_back(patched):
     assert 'mc_env_int("MC_MMV_PERSIST", 0, 1, 1)' in source
     launch = c_body(source, "template <int NC, bool GATE>\nstatic bool mc_mmv_launch(")
     hook = launch.index("if constexpr (NC == 1) {")
-    assert "mc_pmv_on() && !x_bias && !gate_bias &&" in launch[hook:]
+    # patch 0071 (MC_MMV_PERSIST_BIAS, default 0): a bias only on a plain one-matrix product with the setting
+    bias_ok = "const bool bias_ok = !x_bias || (!GATE && grp.n == 1 && mc_pmv_bias_on());"
+    assert bias_ok in launch[hook:]
+    assert "mc_pmv_on() && bias_ok && !gate_bias &&" in launch[hook:]
+    assert "&q8_done, x_bias)) {" in launch[hook:]
+    assert 'mc_env_int("MC_MMV_PERSIST_BIAS", 0, 1, 0)' in c_body(source, "static int mc_pmv_bias_on(")
     persist = launch.index("mc_pmv_launch<GATE, true>(")
     # (patch 0054: returns whether the gated product's q8_1 blocks were written, never by mc_mmv_q4_0)
     assert hook < persist < launch.index("return q8_done;") < launch.index("mc_mmv_q4_0<NC, GATE>")
@@ -339,8 +344,16 @@ def test_the_persistent_one_column_kernel_is_wired_and_falls_back(patched):
         "if (ctas < 1) {",
         # the activations in shared memory: one bulk copy, so 16-byte aligned
         "return (uintptr_t) y % 16 == 0 &&",
+        # patch 0071: the bias reaches the kernel only for one matrix without a gate
+        "GGML_ASSERT(x_bias == nullptr || (!GATE && grp.n == 1));",
+        "a.x_bias   = x_bias;",
     ):
         assert rule in run, rule
+    kernel = c_body(source, KERNEL_HEAD)
+    # the row's bias after its whole sum (the warps' parts added), as mc_mmv_q4_0 adds it
+    store = kernel.index("mc_pick(a.grp.dst, s)[row0 + r] = v;")
+    bias = kernel.index("v += a.x_bias[row0 + r];")
+    assert kernel.index("acc += red[warp + k][0];") < bias < store
     assert 'mc_env_int("MC_MMV_PERSIST_YSMEM", 0, 1, 0)' in source
     assert 'mc_env_int("MC_MMV_PERSIST_CTAS", 1, 3, 2)' in source
     # where it runs: a row on at most MC_MMV_PERSIST_MAX_WPR (2) warps, at least MC_MMV_PERSIST_MIN_PIECES
