@@ -491,6 +491,88 @@ def test_the_persistent_kernels_tail_takes_every_block_once_one_a_lane(patched):
     )
 
 
+def pmv_plan(
+    rows: list[int], nw: int, nblocks: int, ctas: int, stage_limit: int = 24 * 1024
+) -> tuple[int, int]:
+    """mc_pmv_choose (patch 0031), transcribed: (rows a piece, pieces) for a group of products with rows
+    rows, nw matrices a piece (2: the gated FFN) and nblocks Q4_0 blocks a row; (0, 0) where none fits.
+    The test below checks the source has its statements."""
+    row_bytes = 18 * nblocks
+    best, best_cost = (0, 0), -1
+    for rs in (8, 4, 2, 1):
+        wpr = 8 // rs
+        if nw * rs * row_bytes > stage_limit or 32 * wpr * 6 < nblocks:
+            continue
+        npieces = sum((r + rs - 1) // rs for r in rows)
+        cost = ((npieces + ctas - 1) // ctas) * (nw * rs * row_bytes + 2048)
+        if best_cost < 0 or cost < best_cost:
+            best, best_cost = (rs, npieces), cost
+    return best
+
+
+def pmv_worth(rs: int, npieces: int, ctas: int, min_pieces: int = 6, max_wpr: int = 2) -> bool:
+    """mc_pmv_worth, transcribed."""
+    return 8 // rs <= max_wpr and npieces >= min_pieces * ctas
+
+
+# the 27B's one-column products (bench/gpu/mmr_lab.cu's plan): rows, matrices a piece, K, a bias
+PMV_27B = {
+    "gdn_in": ([10240, 6144, 48, 48], 1, 5120, False),
+    "attn_in": ([12288, 1024, 1024], 1, 5120, False),
+    "out": ([5120], 1, 6144, True),  # the GDN / attention output projection, the residual add fused
+    "ffn_gate_up": ([17408], 2, 5120, False),
+    "ffn_down": ([5120], 1, 17408, True),
+}
+
+
+def test_the_persistent_kernels_plans_for_the_27b(patched):
+    """Which of the 27B's one-column products run on the persistent kernel (patch 0031's plan and
+    worth rules, with patch 0071's bias rule: a product with a bias only under MC_MMV_PERSIST_BIAS=1).
+    On an H100 / H200 (132 SMs, 2 CTAs each: 264) at the defaults the inputs and the gated FFN do, the
+    output projections (4.8 pieces a CTA) and ffn_down (a row on 4 warps) do not; MC_MMV_PERSIST_MAX_WPR=4
+    with the bias rule moves ffn_down alone (2 rows a piece, 2,560 pieces), and neither setting alone
+    moves anything (run DD's w4). On an RTX 5090 (170 SMs, one 72 KB CTA each) the output projections
+    pass the pieces rule, so there the bias rule alone moves them. The source holds the rules
+    transcribed here."""
+
+    def persistent(ctas: int, bias_on: bool, max_wpr: int) -> set[str]:
+        out = set()
+        for name, (rows, nw, k, bias) in PMV_27B.items():
+            rs, npieces = pmv_plan(rows, nw, k // 32, ctas)
+            if rs and pmv_worth(rs, npieces, ctas, max_wpr=max_wpr) and (bias_on or not bias):
+                out.add(name)
+        return out
+
+    base = {"gdn_in", "attn_in", "ffn_gate_up"}
+    assert persistent(264, False, 2) == base
+    assert persistent(264, True, 2) == base
+    assert persistent(264, False, 4) == base
+    assert persistent(264, True, 4) == base | {"ffn_down"}
+    assert pmv_plan([5120], 1, 17408 // 32, 264) == (2, 2560)
+    assert pmv_plan([5120], 1, 6144 // 32, 264) == (4, 1280)  # 4.8 pieces a CTA: below 6
+    assert pmv_plan([17408], 2, 5120 // 32, 264) == (4, 4352)  # 2 warps a row, at any MAX_WPR
+    assert persistent(170, True, 2) == base | {"out"}
+    assert persistent(170, True, 4) == base | {"out", "ffn_down"}
+    source = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
+    assert_statements(
+        c_body(source, "static mc_pmv_plan mc_pmv_choose("),
+        (
+            "for (int rs = 8; rs >= 1; rs /= 2) {",
+            "const int wpr = MC_PMV_WARPS / rs;",
+            "if ((int64_t) nw * rs * row_bytes > stage_limit || WARP_SIZE * wpr * MC_PMV_J < nblocks) {",
+            "p.npieces += (grp.nrows[i] + rs - 1) / rs;",
+            "const int64_t cost = (int64_t) ((p.npieces + ctas - 1) / ctas) * (nw * rs * row_bytes + "
+            "MC_PMV_PIECE_COST);",
+            "if (best_cost < 0 || cost < best_cost) {",
+        ),
+    )
+    assert "#define MC_PMV_PIECE_COST 2048" in source and "#define MC_PMV_WARPS 8" in source
+    assert 'mc_env_int("MC_MMV_PERSIST_STAGE_KB", 4, 64, 24) * 1024' in source
+    assert 'mc_env_int("MC_MMV_PERSIST_MIN_PIECES", 0, 64, 6)' in source
+    launch = c_body(source, "template <int NC, bool GATE>\nstatic bool mc_mmv_launch(")
+    assert "const bool bias_ok = !x_bias || (!GATE && grp.n == 1 && mc_pmv_bias_on());" in launch
+
+
 def test_the_q4_0_dot_keeps_the_high_nibbles_in_place(patched):
     """Patch 0044 (no setting: the same integer sums, so the same floats): mc_q4_0_dot, the one- and
     few-column Q4_0 kernels' and the persistent kernel's dot product of a block, sums the high nibbles
