@@ -10,9 +10,9 @@ usage: python3 bench/gpu/results_file.py --out bench/results/DATE-h200-NAME.json
            --command "..." [--device-seconds N] [--note "..."] FILE.json ...
 
 A FILE is recognized by its content: a summary (it has "builds" or "tg_tok_s_patched"), a warm_repeats
-JSON ("kind": "warm_repeats"), a step trace (it has "by_name" and "span_us_median") or a trace
-comparison (anything else, kept by file name under "trace_compare"). Two summaries are refused (which
-one's figures would be the file's?)."""
+JSON ("kind": "warm_repeats"), a step trace (it has "by_name" and "span_us_median"), a kernel_lab.py
+JSON (it has "lab": under "lab") or a trace comparison (anything else, kept by file name
+under "trace_compare"). Two summaries are refused (which one's figures would be the file's?)."""
 
 from __future__ import annotations
 
@@ -30,12 +30,14 @@ def kind_of(data: object) -> str:
         return "summary"
     if isinstance(data, dict) and "by_name" in data and "span_us_median" in data:
         return "trace"
+    if isinstance(data, dict) and "lab" in data:
+        return "lab"
     return "trace_compare"
 
 
 def build(files: list[Path], what: str, command: str, device_seconds: int | None, note: str | None) -> dict:
     res: dict = {}
-    extra: dict[str, dict] = {"warm": {}, "trace": {}, "trace_compare": {}}
+    extra: dict[str, dict] = {"warm": {}, "trace": {}, "lab": {}, "trace_compare": {}}
     summaries = []
     for f in files:
         try:

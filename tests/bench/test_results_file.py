@@ -24,6 +24,7 @@ def test_the_files_are_merged_by_kind(tmp_path):
     trace = {"by_name": [], "span_us_median": 6530.0, "steps": 70}
     named = {"summary": summary, "warm": warm, "warm32k": warm, "trace_compare": compare}
     named["trace_defaults"] = trace
+    named["gdn"] = {"lab": "gdn", "gpu": "NVIDIA H100", "rows": [{"variant": "wide", "us": 11.4}]}
     for name, data in named.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
     out = tmp_path / "res.json"
@@ -42,6 +43,7 @@ def test_the_files_are_merged_by_kind(tmp_path):
     )
     assert data["trace_compare"] == {"trace_compare": compare}
     assert data["trace"] == {"trace_defaults": trace}  # a step trace is not a comparison
+    assert data["lab"] == {"gdn": named["gdn"]}  # nor is a kernel lab's table
     assert "settings_per_call=['MC_GDN_ONE=0']" in res.stdout
     assert not (tmp_path / "res.json.tmp").exists()
 
