@@ -6,8 +6,7 @@
 // state) against the wide kernel's (the default at 2+ tokens) or the stock one's (at one token), and
 // against the recurrence computed in double on the host (null in the JSON: a value that is not finite).
 // Variants: stock (patch 0017's CH = 0), staged (CH = 16, MC_GDN_STAGE), wide (MC_GDN_WIDE, the default
-// at 2+ tokens, with a token's sums in two rounds, MC_GDN_FUSED_SUMS's default 0), widefs (the same
-// kernel with patch 0070's one round, MC_GDN_FUSED_SUMS=1). Output: one JSON object a line.
+// at 2+ tokens). Output: one JSON object a line.
 // Usage: gdn_lab REPEATS TOKENS [TOKENS ...] (bench/gpu/gdn_lab.py compiles it against a patched tree;
 // the host functions the op's launcher names are stubs here that stop the program: none of them runs)
 #include "gated_delta_net.cu"
@@ -62,9 +61,8 @@ static void launch(const std::string & variant, const lab_bufs & b, int layer, i
                                                              sq3, sb1, sb2, sb3, neqk1, rq3, scale, slot, 1, eps, l2s,
                                                              0);  // no PDL here: patch 0049's trigger off
     } else {
-        const size_t smem   = sizeof(float) * mc_gdn_stage_floats(LAB_SV, false, ch, 4 * MC_GDN_WIDE_CPW);
-        auto         kernel = variant == "widefs" ? mc_gdn_wide<false, true, true> : mc_gdn_wide<false, true, false>;
-        kernel<<<dim3(LAB_H, 1, LAB_SV / (4 * MC_GDN_WIDE_CPW)), block, smem>>>(
+        const size_t smem = sizeof(float) * mc_gdn_stage_floats(LAB_SV, false, ch, 4 * MC_GDN_WIDE_CPW);
+        mc_gdn_wide<false, true><<<dim3(LAB_H, 1, LAB_SV / (4 * MC_GDN_WIDE_CPW)), block, smem>>>(
             q, k, v, b.g, b.beta, b.s_in[layer], b.out, b.s_out[layer], LAB_H, n, 1, sq1, sq2, sq3, sq1, sq2, sq3,
             sb1, sb2, sb3, neqk1, rq3, scale, slot, 1, eps, l2s);
     }
@@ -198,8 +196,7 @@ int main(int argc, char ** argv) {
     for (const int n : tokens) {
         // the reference first: what the launcher runs by default (stock at one token, wide at more)
         using names = std::vector<std::string>;
-        const names variants = n == 1 ? names{ "stock", "staged", "wide", "widefs" } :
-                                        names{ "wide", "widefs", "staged", "stock" };
+        const names variants = n == 1 ? names{ "stock", "staged", "wide" } : names{ "wide", "staged", "stock" };
         const size_t       nout = (size_t) LAB_SV * LAB_H * n;
         std::vector<float> ref_out, ref_state, host_out, host_state;
         host_reference(h, hg, hb, hs, n, 1.0f / sqrtf((float) LAB_SV), host_out, host_state);

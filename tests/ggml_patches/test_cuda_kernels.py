@@ -321,12 +321,7 @@ def test_the_persistent_one_column_kernel_is_wired_and_falls_back(patched):
     assert 'mc_env_int("MC_MMV_PERSIST", 0, 1, 1)' in source
     launch = c_body(source, "template <int NC, bool GATE>\nstatic bool mc_mmv_launch(")
     hook = launch.index("if constexpr (NC == 1) {")
-    # patch 0071 (MC_MMV_PERSIST_BIAS, default 0): a bias only on a plain one-matrix product with the setting
-    bias_ok = "const bool bias_ok = !x_bias || (!GATE && grp.n == 1 && mc_pmv_bias_on());"
-    assert bias_ok in launch[hook:]
-    assert "mc_pmv_on() && bias_ok && !gate_bias &&" in launch[hook:]
-    assert "&q8_done, x_bias)) {" in launch[hook:]
-    assert 'mc_env_int("MC_MMV_PERSIST_BIAS", 0, 1, 0)' in c_body(source, "static int mc_pmv_bias_on(")
+    assert "mc_pmv_on() && !x_bias && !gate_bias &&" in launch[hook:]
     persist = launch.index("mc_pmv_launch<GATE, true>(")
     # (patch 0054: returns whether the gated product's q8_1 blocks were written, never by mc_mmv_q4_0)
     assert hook < persist < launch.index("return q8_done;") < launch.index("mc_mmv_q4_0<NC, GATE>")
@@ -344,16 +339,8 @@ def test_the_persistent_one_column_kernel_is_wired_and_falls_back(patched):
         "if (ctas < 1) {",
         # the activations in shared memory: one bulk copy, so 16-byte aligned
         "return (uintptr_t) y % 16 == 0 &&",
-        # patch 0071: the bias reaches the kernel only for one matrix without a gate
-        "GGML_ASSERT(x_bias == nullptr || (!GATE && grp.n == 1));",
-        "a.x_bias   = x_bias;",
     ):
         assert rule in run, rule
-    kernel = c_body(source, KERNEL_HEAD)
-    # the row's bias after its whole sum (the warps' parts added), as mc_mmv_q4_0 adds it
-    store = kernel.index("mc_pick(a.grp.dst, s)[row0 + r] = v;")
-    bias = kernel.index("v += a.x_bias[row0 + r];")
-    assert kernel.index("acc += red[warp + k][0];") < bias < store
     assert 'mc_env_int("MC_MMV_PERSIST_YSMEM", 0, 1, 0)' in source
     assert 'mc_env_int("MC_MMV_PERSIST_CTAS", 1, 3, 2)' in source
     # where it runs: a row on at most MC_MMV_PERSIST_MAX_WPR (2) warps, at least MC_MMV_PERSIST_MIN_PIECES
@@ -527,32 +514,31 @@ PMV_27B = {
 
 def test_the_persistent_kernels_plans_for_the_27b(patched):
     """Which of the 27B's one-column products run on the persistent kernel (patch 0031's plan and
-    worth rules, with patch 0071's bias rule: a product with a bias only under MC_MMV_PERSIST_BIAS=1).
-    On an H100 / H200 (132 SMs, 2 CTAs each: 264) at the defaults the inputs and the gated FFN do, the
-    output projections (4.8 pieces a CTA) and ffn_down (a row on 4 warps) do not; MC_MMV_PERSIST_MAX_WPR=4
-    with the bias rule moves ffn_down alone (2 rows a piece, 2,560 pieces), and neither setting alone
-    moves anything (run DD's w4). On an RTX 5090 (170 SMs, one 72 KB CTA each) the output projections
-    pass the pieces rule, so there the bias rule alone moves them. The source holds the rules
-    transcribed here."""
+    worth rules; a product with a fused bias never does: the output projections and ffn_down, which
+    carry the residual add, stay on mc_mmv_q4_0. Patch 0071 gave the persistent kernel the bias, was
+    level in run DE and was taken out). On an H100 / H200 (132 SMs, 2 CTAs each: 264) the inputs and
+    the gated FFN do; the output projections would not even with no bias (4.8 pieces a CTA, below 6),
+    nor ffn_down (a row on 4 warps) unless MC_MMV_PERSIST_MAX_WPR=4. On an RTX 5090 (170 SMs, one
+    72 KB CTA each) the output projections would pass the pieces rule: their bias keeps them off there.
+    The source holds the rules transcribed here."""
 
-    def persistent(ctas: int, bias_on: bool, max_wpr: int) -> set[str]:
+    def persistent(ctas: int, max_wpr: int, bias_too: bool = False) -> set[str]:
         out = set()
         for name, (rows, nw, k, bias) in PMV_27B.items():
             rs, npieces = pmv_plan(rows, nw, k // 32, ctas)
-            if rs and pmv_worth(rs, npieces, ctas, max_wpr=max_wpr) and (bias_on or not bias):
+            if rs and pmv_worth(rs, npieces, ctas, max_wpr=max_wpr) and (bias_too or not bias):
                 out.add(name)
         return out
 
     base = {"gdn_in", "attn_in", "ffn_gate_up"}
-    assert persistent(264, False, 2) == base
-    assert persistent(264, True, 2) == base
-    assert persistent(264, False, 4) == base
-    assert persistent(264, True, 4) == base | {"ffn_down"}
+    assert persistent(264, 2) == persistent(264, 4) == persistent(170, 2) == persistent(170, 4) == base
+    # what a bias on the kernel would move (run DE's pb: ffn_down, measured level)
+    assert persistent(264, 2, bias_too=True) == base
+    assert persistent(264, 4, bias_too=True) == base | {"ffn_down"}
+    assert persistent(170, 2, bias_too=True) == base | {"out"}
     assert pmv_plan([5120], 1, 17408 // 32, 264) == (2, 2560)
     assert pmv_plan([5120], 1, 6144 // 32, 264) == (4, 1280)  # 4.8 pieces a CTA: below 6
     assert pmv_plan([17408], 2, 5120 // 32, 264) == (4, 4352)  # 2 warps a row, at any MAX_WPR
-    assert persistent(170, True, 2) == base | {"out"}
-    assert persistent(170, True, 4) == base | {"out", "ffn_down"}
     source = (patched / "ggml/src/ggml-cuda/mc-mmv.cu").read_text()
     assert_statements(
         c_body(source, "static mc_pmv_plan mc_pmv_choose("),
@@ -570,7 +556,7 @@ def test_the_persistent_kernels_plans_for_the_27b(patched):
     assert 'mc_env_int("MC_MMV_PERSIST_STAGE_KB", 4, 64, 24) * 1024' in source
     assert 'mc_env_int("MC_MMV_PERSIST_MIN_PIECES", 0, 64, 6)' in source
     launch = c_body(source, "template <int NC, bool GATE>\nstatic bool mc_mmv_launch(")
-    assert "const bool bias_ok = !x_bias || (!GATE && grp.n == 1 && mc_pmv_bias_on());" in launch
+    assert "mc_pmv_on() && !x_bias && !gate_bias &&" in launch
 
 
 def test_the_q4_0_dot_keeps_the_high_nibbles_in_place(patched):
@@ -716,17 +702,15 @@ def test_the_staged_gated_delta_net_compiles(patched, arch, tmp_path):
     assert all(int(f[5]) <= 40 for f in found if f[1] == "0" and f[0] != "16"), found
     assert "Compiling entry function '_Z12mc_gdn_gates" in out.stderr
     # MC_GDN_WIDE (patch 0022, the default at 2+ tokens): the 4-columns-a-warp staged kernel, with and
-    # without snapshots and the in-kernel normalisation, each with a token's sums in two rounds or in one
-    # (patch 0070, MC_GDN_FUSED_SUMS), within 64 registers (8 blocks an SM)
-    name = r"function '_Z11mc_gdn_wideILb(\d)ELb(\d)ELb(\d)E\w+'.*?Used (\d+) registers"
+    # without snapshots and the in-kernel normalisation, within 64 registers (8 blocks an SM)
+    name = r"function '_Z11mc_gdn_wideILb(\d)ELb(\d)E\w+'.*?Used (\d+) registers"
     wide = re.findall(name, out.stderr, re.S)
-    assert sorted(w[:3] for w in wide) == [(a, b, c) for a in "01" for b in "01" for c in "01"], wide
-    assert all(int(w[3]) <= 64 for w in wide), wide
-    # MC_GDN_ONE (patch 0056): the one-token kernel with and without the normalisation, each in both of
-    # patch 0070's forms, within 80 registers (its 384 blocks need 3 an SM)
-    one = re.findall(r"function '_Z10mc_gdn_oneILb(\d)ELb(\d)E\w+'.*?Used (\d+) registers", out.stderr, re.S)
-    assert sorted(o[:2] for o in one) == [(a, b) for a in "01" for b in "01"], one
-    assert all(int(o[2]) <= 80 for o in one), one
+    assert sorted(w[:2] for w in wide) == [(a, b) for a in "01" for b in "01"], wide
+    assert all(int(w[2]) <= 64 for w in wide), wide
+    # MC_GDN_ONE (patch 0056): the one-token kernel with and without the normalisation, within 80
+    # registers (its 384 blocks need 3 an SM)
+    one = re.findall(r"function '_Z10mc_gdn_oneILb(\d)E\w+'.*?Used (\d+) registers", out.stderr, re.S)
+    assert sorted(o[0] for o in one) == ["0", "1"] and all(int(o[1]) <= 80 for o in one), one
     source = (patched / "ggml" / "src" / "ggml-cuda" / "gated_delta_net.cu").read_text()
     assert 'ggml_cuda_mc_env_int("MC_GDN_WIDE", 0, 1, 1)' in source
     # MC_GDN_WIDE=2 (the chunked form, measured no faster than the staged kernel, dropped): not there

@@ -336,18 +336,18 @@ def test_the_one_token_kernel_is_the_stock_steps_arithmetic(patched):
             "const float4 x  = *(const float4 *) (curr_state + o);",
             "const float sck = rsqrtf(ssk / S_v + l2_eps);",
             "kr[i] = l2_scale * (sck * kr[i]);",
-            "const float attn = mc_gdn_wide_step<RPL, LPC, FS>(s, kr, qr, g_val, beta_val, v_col);",
+            "const float attn = mc_gdn_wide_step<RPL, LPC>(s, kr, qr, g_val, beta_val, v_col);",
             "dst[(sequence * H + h_idx) * S_v + col] = attn * scale;",
             "*(float4 *) (state + j * 4 * LPC + 4 * r) = "
             "make_float4(s[4 * j + 0], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]);",
         ),
     )
     assert kernel.count("ggml_cuda_pdl_sync();") == 1 and "__syncthreads" not in kernel
-    # the delta rule's token step, shared with mc_gdn_wide (one copy of it; patch 0070's FS form in it)
+    # the delta rule's token step, shared with mc_gdn_wide (one copy of it)
     step = c_body(source, "static __device__ __forceinline__ float mc_gdn_wide_step(")
     assert "const float delta = (v_col - g_val * kv) * beta_val;" in step
     assert "s[i] = g_val * s[i] + kr[i] * delta;" in step
-    assert source.count("mc_gdn_wide_step<RPL, LPC, FS>(s, kr, qr, g_val, beta_val, v_col);") == 2
+    assert source.count("mc_gdn_wide_step<RPL, LPC>(s, kr, qr, g_val, beta_val, v_col);") == 2
     assert kernel.index("ggml_cuda_pdl_lc();") < kernel.index("ggml_cuda_pdl_sync();")
     # the stock kernel's arithmetic: the same update and output (stock: one column a warp)
     stock = c_body(source, "gated_delta_net_cuda(const float * q,")

@@ -35,12 +35,10 @@ def reference(s0, q, k, v, g, beta, scale, keep):
     return np.array(out), m, snaps
 
 
-def emulate(s0, q, k, v, g, beta, scale, keep, group_xor=1, fused=False):
+def emulate(s0, q, k, v, g, beta, scale, keep, group_xor=1):
     """mc_gdn_wide for one head and one sequence: blocks of 16 columns, warp w's lane l on column
     16 b + 4 w + l // 8 and rows lane_rows(l % 8); the sums cross lanes l ^ 1, l ^ 2, l ^ 4 (group_xor
-    scales the offsets: 8 would reach another column's lanes and must fail). fused: patch 0070's
-    MC_GDN_FUSED_SUMS, S . k, S . q and k . q over the state before the update, attn = g (S . q) +
-    delta (k . q)."""
+    scales the offsets: 8 would reach another column's lanes and must fail)."""
     n = q.shape[0]
     ncb = WARPS * CPW
     out = np.zeros((n, S_V))
@@ -61,19 +59,11 @@ def emulate(s0, q, k, v, g, beta, scale, keep, group_xor=1, fused=False):
                     gv = np.exp(g[t])
                     part = [s[lane] @ k[t][rows[lane]] for lane in lanes]
                     kv = butterfly(part, group_xor)
-                    if fused:
-                        sq = butterfly([s[lane] @ q[t][rows[lane]] for lane in lanes], group_xor)
-                        kq = butterfly([k[t][rows[lane]] @ q[t][rows[lane]] for lane in lanes], group_xor)
-                    deltas = []
                     for lane in lanes:
                         cb = w * CPW + lane // LPC
                         delta = (st_v[tt * ncb + cb] - gv * kv[lane]) * beta[t]
-                        deltas.append(delta)
                         s[lane] = gv * s[lane] + k[t][rows[lane]] * delta
-                    if fused:
-                        attn = [gv * sq[lane] + deltas[lane] * kq[lane] for lane in lanes]
-                    else:
-                        attn = butterfly([s[lane] @ q[t][rows[lane]] for lane in lanes], group_xor)
+                    attn = butterfly([s[lane] @ q[t][rows[lane]] for lane in lanes], group_xor)
                     for lane in lanes:
                         if lane % LPC == 0:
                             out[t][cols[lane]] = attn[lane] * scale
@@ -97,22 +87,21 @@ def butterfly(vals, group_xor):
     return vals
 
 
-@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize(("n", "keep"), [(16, 1), (17, 3), (2, 1)])
-def test_the_wide_mapping_computes_the_recurrence(n, keep, fused):
+def test_the_wide_mapping_computes_the_recurrence(n, keep):
     rng = np.random.default_rng(n * 7 + keep)
     s0 = rng.standard_normal((S_V, S_V)) * 0.1
     q, k = rng.standard_normal((n, S_V)) * 0.1, rng.standard_normal((n, S_V)) * 0.1
     v, g, beta = rng.standard_normal((n, S_V)), -rng.random(n), rng.random(n)
     scale = 1 / np.sqrt(S_V)
     want_out, want_state, want_snaps = reference(s0, q, k, v, g, beta, scale, keep)
-    out, state, snaps = emulate(s0, q, k, v, g, beta, scale, keep, fused=fused)
+    out, state, snaps = emulate(s0, q, k, v, g, beta, scale, keep)
     np.testing.assert_allclose(out, want_out, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(state, want_state, rtol=1e-10, atol=1e-12)
     assert sorted(snaps) == sorted(want_snaps) == list(range(min(keep, n)))
     for slot, m in want_snaps.items():
         np.testing.assert_allclose(snaps[slot], m, rtol=1e-10, atol=1e-12)
-    bad, _, _ = emulate(s0, q, k, v, g, beta, scale, keep, group_xor=8, fused=fused)
+    bad, _, _ = emulate(s0, q, k, v, g, beta, scale, keep, group_xor=8)
     assert not np.allclose(bad, want_out, rtol=1e-3, atol=1e-6)
 
 
@@ -124,58 +113,3 @@ def test_every_state_element_has_one_owner():
             for lane in range(32):
                 owners[b * WARPS * CPW + w * CPW + lane // LPC][lane_rows(lane % LPC)] += 1
     assert (owners == 1).all()
-
-
-def one_column_f32(s0, q, k, v, g, beta, fused):
-    """One column's recurrence in float32, the two-round form or patch 0070's one round: the outputs.
-    Each sum runs as 4 chains over the column's 128 rows, then added: a stand-in for the kernel's order
-    (4 chains over a lane's 16 rows, then the 8 lanes' butterfly), close enough to compare error sizes."""
-    f = np.float32
-    s = s0.astype(f).copy()
-    out = []
-
-    def dot(a, b):
-        p = (a * b).reshape(-1, 4).astype(f)  # 4 chains, as the kernel's p[i % 4]
-        return f(p.sum(axis=0, dtype=f).sum(dtype=f))
-
-    for t in range(q.shape[0]):
-        gv, kt, qt = f(np.exp(g[t])), k[t].astype(f), q[t].astype(f)
-        kv = dot(s, kt)
-        delta = f((f(v[t]) - gv * kv) * f(beta[t]))
-        if fused:
-            sq, kq = dot(s, qt), dot(kt, qt)
-            s = (gv * s + kt * delta).astype(f)
-            out.append(f(gv * sq + delta * kq))
-        else:
-            s = (gv * s + kt * delta).astype(f)
-            out.append(dot(s, qt))
-    return np.array(out, dtype=np.float64)
-
-
-def test_the_fused_sums_round_no_worse_than_two_rounds():
-    """Patch 0070's output (g (S . q) + delta (k . q)) against the recurrence in double, over 256 tokens
-    of unit-norm q and k (the model's L2 normalisation) on 64 columns: its float32 error is of the two-round
-    form's size, not a cancellation's."""
-    rng = np.random.default_rng(70)
-    n, cols = 256, 64
-    err = {False: [], True: []}
-    for _ in range(cols):
-        q = rng.standard_normal((n, S_V))
-        k = rng.standard_normal((n, S_V))
-        q /= np.linalg.norm(q, axis=1, keepdims=True)
-        k /= np.linalg.norm(k, axis=1, keepdims=True)
-        v, g, beta = rng.standard_normal(n), -0.05 - 0.5 * rng.random(n), rng.random(n)
-        s0 = rng.standard_normal(S_V) * 0.1
-        m, want = s0.copy(), []
-        for t in range(n):
-            gv = np.exp(g[t])
-            delta = (v[t] - gv * (m @ k[t])) * beta[t]
-            m = gv * m + k[t] * delta
-            want.append(m @ q[t])
-        want = np.array(want)
-        for fused in (False, True):
-            got = one_column_f32(s0, q, k, v, g, beta, fused)
-            err[fused].append(np.abs(got - want).max() / np.abs(want).max())
-    two, one = max(err[False]), max(err[True])
-    assert two < 1e-5 and one < 1e-5
-    assert one < 4 * two
