@@ -52,10 +52,13 @@ def build(files: list[Path], what: str, command: str, device_seconds: int | None
             extra[kind][f.stem] = data
     if len(summaries) > 1:
         raise SystemExit(f"two side-by-side summaries ({summaries[0]}, {summaries[1]}): give one")
+    # the session's commands win: a summary's own "command" is side_by_side.sh's usage line, kept beside
+    summary_command = res.pop("command", None)
     out = {
         "date": datetime.date.today().isoformat(),
         "what": what,
         "command": command,
+        **({"summary_command": summary_command} if summary_command is not None else {}),
         **res,
     }
     for key, group in extra.items():

@@ -18,7 +18,8 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 def test_the_files_are_merged_by_kind(tmp_path):
     summary = {"gpu": "NVIDIA H200", "commit": "abc", "tg_tok_s_stock": 102.7, "tg_tok_s_patched": 180.1,
-               "pause_ms_32k": 44.2, "builds": {}, "settings_per_call": ["MC_GDN_ONE=0"]}  # fmt: skip
+               "pause_ms_32k": 44.2, "builds": {}, "settings_per_call": ["MC_GDN_ONE=0"],
+               "command": "OUT=DIR bash bench/gpu/side_by_side.sh"}  # fmt: skip
     warm = {"kind": "warm_repeats", "summary": {"on": {}}, "command": "warm_repeats.py ..."}
     compare = {"np1": {"span_delta_us": -120.0}}
     trace = {"by_name": [], "span_us_median": 6530.0, "steps": 70}
@@ -37,6 +38,7 @@ def test_the_files_are_merged_by_kind(tmp_path):
     assert (
         data["what"] == "run CI" and data["command"] == "calls.sh ..." and data["device_seconds_used"] == 1700
     )
+    assert data["summary_command"] == "OUT=DIR bash bench/gpu/side_by_side.sh"  # kept, not in command's place
     assert data["tg_tok_s_patched"] == 180.1 and data["pause_ms_32k"] == 44.2 and data["gpu"] == "NVIDIA H200"
     assert (
         set(data["warm"]) == {"warm", "warm32k"} and data["warm"]["warm"]["command"] == "warm_repeats.py ..."
