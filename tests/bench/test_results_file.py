@@ -63,3 +63,21 @@ def test_bad_input_is_named_and_nothing_is_written(tmp_path):
     res = run(*base, str(tmp_path / "a.json"), str(tmp_path / "b.json"))
     assert res.returncode != 0 and "two side-by-side summaries" in res.stderr
     assert not out.exists()
+
+
+def test_every_gpu_results_file_names_its_date_gpu_commit_and_command():
+    """Each committed GPU results file (bench/results/*-h100-* / *-h200-*) records the date, the GPU,
+    the git commit (or each run's, under "runs") and the commands that made it, and its command is not
+    the side-by-side summary's own usage line (which replaced the session's in files written by
+    results_file.py until 2026-12-07). Older files name these keys in earlier ways."""
+    files = sorted((ROOT / "bench" / "results").glob("*-h[12]00-*.json"))
+    assert len(files) >= 80
+    for f in files:
+        data = json.loads(f.read_text())
+        assert "date" in data, f
+        assert any(k in data for k in ("gpu", "machine", "gpu_kind")), f
+        runs = data.get("runs")
+        per_run = isinstance(runs, dict) and all(isinstance(r, dict) and "commit" in r for r in runs.values())
+        assert per_run or any(k in data for k in ("commit", "git_commit", "git_head", "commit_note")), f
+        command = data.get("command") or data.get("commands") or data.get("calls")
+        assert command and command != "OUT=DIR bash bench/gpu/side_by_side.sh", f
