@@ -2,7 +2,8 @@
 // Built against the libllama of the build under test (stock or patched), so both builds run the
 // same measuring code.
 //
-//   mc_gpu_bench tg      MODEL DEPTHS N          single-stream decode at each depth (tokens before)
+//   mc_gpu_bench tg      MODEL DEPTHS N          single-stream decode at each depth (tokens before);
+//                                                call_ms: the part of a step until llama_decode returns
 //   mc_gpu_bench verify  MODEL DEPTH SEQS SIZES  one decode of SEQS sequences x k tokens, all logits
 //                                                (MC_BENCH_LOGITS=last: each sequence's last token's
 //                                                only, to see what the other rows' logits cost)
@@ -154,19 +155,26 @@ struct Bench {
         llama_synchronize(ctx);
     }
 
-    // median ms of `iters` decodes of seqs x n tokens after `warm` untimed ones; positions advance
-    double time_steps(int seqs, int n, int & pos, bool all_logits, int warm, int iters) {
-        std::vector<double> ts;
+    // median ms of `iters` decodes of seqs x n tokens after `warm` untimed ones; positions advance.
+    // call_ms (if given): the median ms until llama_decode returned, before the synchronize: the host's
+    // side of a step up to its graph's launch (the rest of the step is the GPU's, then the hand-over)
+    double time_steps(int seqs, int n, int & pos, bool all_logits, int warm, int iters, double * call_ms = nullptr) {
+        std::vector<double> ts, cs;
         for (int it = 0; it < warm + iters; it++) {
             fill(seqs, n, pos, all_logits);
             const double t0 = now_ms();
             decode();
+            const double tc = now_ms();
             llama_synchronize(ctx);
             const double t1 = now_ms();
             pos += n;
             if (it >= warm) {
                 ts.push_back(t1 - t0);
+                cs.push_back(tc - t0);
             }
+        }
+        if (call_ms) {
+            *call_ms = median(cs);
         }
         return median(ts);
     }
@@ -184,9 +192,10 @@ int cmd_tg(int argc, char ** argv) {
     for (int d : depths) {
         b.prefill(d, 1);
         int          pos = d;
-        const double ms  = b.time_steps(1, 1, pos, false, 8, n);
-        printf("{\"kind\": \"tg\", \"depth\": %d, \"n\": %d, \"median_ms\": %.4f, \"tok_s\": %.2f}\n", d, n, ms,
-               1000.0 / ms);
+        double       call = 0.0;
+        const double ms   = b.time_steps(1, 1, pos, false, 8, n, &call);
+        printf("{\"kind\": \"tg\", \"depth\": %d, \"n\": %d, \"median_ms\": %.4f, \"tok_s\": %.2f, \"call_ms\": %.4f}\n",
+               d, n, ms, 1000.0 / ms, call);
         fflush(stdout);
     }
     return 0;

@@ -74,13 +74,17 @@ def parse_measure(text: str) -> list[str]:
     raise SystemExit(f"--measure {text!r}: expected verify:DEPTH:SEQS:K[,K...] or tg:DEPTH[,DEPTH...]:N")
 
 
-def figure_key(row: dict) -> tuple[str, float] | None:
-    """One mc_gpu_bench JSON line as (name, value), or None for other lines."""
+def figures_of(row: dict) -> list[tuple[str, float]]:
+    """One mc_gpu_bench JSON line's figures as (name, value) pairs; none for other lines. A tg line's
+    call_ms (the step until llama_decode returned; benches built before it have none) is a figure too."""
     if row.get("kind") == "verify":
-        return f"verify_d{row['depth']}_s{row['seqs']}_k{row['k']}_ms", float(row["median_ms"])
+        return [(f"verify_d{row['depth']}_s{row['seqs']}_k{row['k']}_ms", float(row["median_ms"]))]
     if row.get("kind") == "tg":
-        return f"tg_d{row['depth']}_tok_s", float(row["tok_s"])
-    return None
+        figs = [(f"tg_d{row['depth']}_tok_s", float(row["tok_s"]))]
+        if "call_ms" in row:
+            figs.append((f"tg_d{row['depth']}_call_ms", float(row["call_ms"])))
+        return figs
+    return []
 
 
 def run_one(bench: Path, model: Path, args: list[str], env: dict[str, str]) -> dict[str, float]:
@@ -98,9 +102,7 @@ def run_one(bench: Path, model: Path, args: list[str], env: dict[str, str]) -> d
         line = line.strip()
         if not line.startswith("{"):
             continue
-        kv = figure_key(json.loads(line))
-        if kv:
-            out[kv[0]] = kv[1]
+        out.update(figures_of(json.loads(line)))
     if not out:
         raise SystemExit(f"{' '.join(cmd)}: no figures in its output")
     return with_ratios(out)

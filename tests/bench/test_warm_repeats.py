@@ -36,7 +36,7 @@ if sys.argv[1] == "verify":
 elif sys.argv[1] == "tg":
     for d in sys.argv[3].split(","):
         row = {{"kind": "tg", "depth": int(d), "n": int(sys.argv[4]), "median_ms": 6.5}}
-        print(json.dumps({{**row, "tok_s": 150.0 / scale}}))
+        print(json.dumps({{**row, "tok_s": 150.0 / scale, "call_ms": 0.1 * scale}}))
 else:
     sys.exit(2)
 """
@@ -73,6 +73,9 @@ def test_rounds_alternate_the_settings_and_summarize_against_the_first(tmp_path)
     assert abs(s["slow"]["verify_d512_s1_k1_ms"]["vs_first"] - 1.1) < 1e-3
     assert abs(s["slow"]["tg_d0_tok_s"]["vs_first"] - 1 / 1.1) < 1e-3
     assert "vs_first" not in s["base"]["tg_d0_tok_s"]
+    # the host's part of a decode step (until llama_decode returned), beside its tok/s
+    assert data["draws"]["base"]["tg_d0_call_ms"] == [0.1] * 3
+    assert abs(s["slow"]["tg_d4096_call_ms"]["vs_first"] - 1.1) < 1e-3
     # every call: the setting's environment, the measure's arguments after the model
     calls = (tmp_path / "log").read_text().splitlines()
     assert len(calls) == 12
@@ -86,6 +89,19 @@ def test_rounds_alternate_the_settings_and_summarize_against_the_first(tmp_path)
     assert s["base"]["verify_d512_s1_k1_ms"]["median"] == 6.85
     assert "verify_d512_s1_k1_over_k1" not in data["draws"]["base"]  # no ratio of K = 1 to itself
     assert "verify_d512_s1_k16_over_k1" in res.stdout
+
+
+def test_a_tg_line_without_call_ms_gives_its_tok_s_alone():
+    """A bench built before call_ms (an older archive's) still gives its decode figure."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import warm_repeats
+    finally:
+        sys.path.pop(0)
+    old = {"kind": "tg", "depth": 0, "n": 64, "median_ms": 6.7, "tok_s": 149.25}
+    assert warm_repeats.figures_of(old) == [("tg_d0_tok_s", 149.25)]
+    assert warm_repeats.figures_of({**old, "call_ms": 0.12})[1] == ("tg_d0_call_ms", 0.12)
+    assert warm_repeats.figures_of({"kind": "profile", "median_ms": 1.0}) == []
 
 
 def test_ratios_pair_figures_of_one_depth_and_sequence_count():
