@@ -15,7 +15,9 @@ on the device passes (test-backend-ops on the GPU) and otherwise builds there as
 
 Writes .device/prebuilt-patched-<series hash, 16>-sm<arch>.tar.xz (a temp name, then renamed): the
 libraries, test-backend-ops, llama-batched-bench, mc_gpu_bench, the mc-mmv object (for the SASS
-step) and MANIFEST.json. ~30-40 min on 2 cores; a second run resumes the build in --work.
+step) and MANIFEST.json. ~30-40 min on 2 cores; a second run resumes the build in --work. The archive
+is named by the series alone: side_by_side.sh builds the calling tree's mc_gpu_bench against its
+libraries in a few seconds, so a change to the measuring program needs no new archive.
 
 usage: python3 bench/gpu/prebuild.py [--arch 90] [--jobs N] [--dir .device] [--work DIR]"""
 

@@ -172,13 +172,17 @@ def tool(bin_dir: Path, name: str, body: str) -> None:
     f.chmod(0o755)
 
 
-@pytest.mark.parametrize("builds", ["stock,patched", "patched"])
-def test_side_by_side_builds_only_stock_beside_a_taken_archive(tmp_path, builds):
+@pytest.mark.parametrize(
+    ("builds", "bench_builds"), [("stock,patched", True), ("patched", True), ("patched", False)]
+)
+def test_side_by_side_builds_only_stock_beside_a_taken_archive(tmp_path, builds, bench_builds):
     """side_by_side.sh with an archive for this series in MC_SBS_PREBUILT_DIR: a patched-only call builds
-    nothing; a call with stock builds stock alone (its targets, once), then patches the source tree for
-    the labs, and keeps the archive's patched programs; both times' lines kept. The machine's tools are
-    stand-ins here (cmake, g++, patch, nvidia-smi as scripts logging their arguments); the measurements
-    after the build stop at the short deadline (exit 3)."""
+    nothing but the measuring program; a call with stock builds stock alone (its targets, once), then
+    patches the source tree for the labs, and keeps the archive's patched programs; both times' lines
+    kept. The archive's mc_gpu_bench is replaced by this tree's, built against the archive's libraries
+    (the archive is keyed by the series alone); where that build fails the archive's stays. The
+    machine's tools are stand-ins here (cmake, g++, patch, nvidia-smi as scripts logging their
+    arguments); the measurements after the build stop at the short deadline (exit 3)."""
     series = prebuild.build.series_hash()  # the hash prebuild.py names its archive with
     archive = make_archive(tmp_path, series=series)
     pre = tmp_path / "pre"
@@ -200,7 +204,9 @@ def test_side_by_side_builds_only_stock_beside_a_taken_archive(tmp_path, builds)
         '  mkdir -p "$2/bin" && touch "$2/bin/libllama.so" "$2/bin/llama-batched-bench"\nfi',
     )
     out_arg = 'while [ $# -gt 1 ]; do [ "$1" = -o ] && touch "$2"; shift; done'
-    tool(bin_dir, "g++", f'echo "g++ $*" >> {log}\n{out_arg}')
+    fail_bench = 'case "$*" in *patched/mc_gpu_bench.new*) echo "no llama.h" >&2; exit 1 ;; esac\n'
+    fail_bench = "" if bench_builds else fail_bench
+    tool(bin_dir, "g++", f'echo "g++ $*" >> {log}\n{fail_bench}{out_arg}')
     tool(bin_dir, "patch", f'echo "patch $*" >> {log}\ncat > /dev/null')
     model = tmp_path / "model.gguf"
     model.write_text("")
@@ -236,7 +242,19 @@ def test_side_by_side_builds_only_stock_beside_a_taken_archive(tmp_path, builds)
     patches = [c for c in calls if c.startswith("patch ")]
     times = dict(ln.split() for ln in (state / "build-times.txt").read_text().splitlines())
     assert times["patched_prebuilt"] == prebuild.archive_name(series, "90")
-    assert (state / "patched" / "mc_gpu_bench").read_text() == "#!/bin/sh\nexit 0\n"  # the archive's
+    bench_gpp = [c for c in calls if c.startswith("g++ ") and f"-o {state}/patched/mc_gpu_bench.new" in c]
+    assert len(bench_gpp) == 1, calls
+    assert f"-L{state}/patched" in bench_gpp[0] and f"{state}/mc_gpu_bench.cpp" in bench_gpp[0]
+    assert "-rpath,$ORIGIN" in bench_gpp[0]  # found beside the archive's libraries, as the archive's was
+    assert not (state / "patched" / "mc_gpu_bench.new").exists()
+    if bench_builds:  # this tree's (the stand-in g++ leaves an empty file)
+        assert (state / "patched" / "mc_gpu_bench").read_text() == ""
+        assert "patched_bench_rebuilt_s" in times
+        assert "mc_gpu_bench built from this tree's source" in steps
+    else:
+        assert (state / "patched" / "mc_gpu_bench").read_text() == "#!/bin/sh\nexit 0\n"  # the archive's
+        assert "patched_bench_rebuilt_s" not in times
+        assert "did not build, the archive's kept: no llama.h" in steps
     if builds == "patched":
         assert builds_run == [] and "stock_build_s" not in times
         assert not (state / "build.sh").exists()
