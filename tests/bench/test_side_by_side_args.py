@@ -63,7 +63,7 @@ def test_good_draws_pass_the_check(tmp_path):
 def _link_line() -> str:
     """The generated build script's link line for mc_gpu_bench, expanded as bash expands it in the
     script's unquoted here-document (\\$ -> $)."""
-    line = next(x for x in SCRIPT.read_text().splitlines() if "-rpath," in x)
+    line = next(x for x in SCRIPT.read_text().splitlines() if "-rpath," in x and "\\$ORIGIN" in x)
     res = subprocess.run(
         ["bash", "-c", f"cat <<EOF\n{line}\nEOF"], capture_output=True, text=True, timeout=10, check=True
     )
@@ -78,6 +78,9 @@ def test_the_measuring_program_finds_its_libraries_beside_it(tmp_path):
     program linked with the line's -Wl flags against liba.so, which needs libb.so, both beside it."""
     flags = [w for w in _link_line().split() if w.startswith("-Wl,") and "rpath-link" not in w]
     assert "-Wl,--disable-new-dtags,-rpath,'$ORIGIN'" in flags, flags
+    # the same run path where the program is built beside a taken archive's libraries (no here-document)
+    beside = [x for x in SCRIPT.read_text().splitlines() if "-rpath," in x and "\\$ORIGIN" not in x]
+    assert len(beside) == 1 and "-Wl,--disable-new-dtags,-rpath,'$ORIGIN'" in beside[0].split(), beside
     flags = [w.replace("'", "") for w in flags]
     lib = tmp_path / "lib"
     lib.mkdir()
