@@ -43,7 +43,9 @@
 #   MC_CALLS_LEAN=1 (setting / settings): after the logits and OPS, only one sequence's verify at depth
 #   512 (1 and 16 tokens) in MC_CALLS_ROUNDS (default 4) alternating rounds ($OUT/warmv.json), no decode
 #   rounds, no traces: one fresh-machine call (~275 s build + ~60 s a round of three settings) for a
-#   session whose refused tries left ~500 s (run CJ)
+#   session whose refused tries left ~500 s (run CJ). MC_CALLS_LEAN_TRACE=1 adds the defaults' steps
+#   traced after the rounds ($OUT/trace_on.json: decode steps, or with MC_CALLS_TRACE_K=K the K-token
+#   verify steps as trace_on-kK.json; ~40 s), the one trace a card that is seldom lent should bring back
 #
 #   MC_CALLS_GPU=NAME (any plan): only on a GPU whose name holds NAME (case aside, e.g. H200): on any
 #   other, or with no name from nvidia-smi, the call stops at once with exit 4, before anything is built,
@@ -198,6 +200,11 @@ PY
     esac
     LEAN=${MC_CALLS_LEAN:-0}
     case $LEAN in 0 | 1) ;; *) echo "MC_CALLS_LEAN: expected 0 or 1 (1: verify rounds only), got '$LEAN'"; exit 2 ;; esac
+    LEAN_TRACE=${MC_CALLS_LEAN_TRACE:-0}
+    case $LEAN_TRACE in 0 | 1) ;; *)
+      echo "MC_CALLS_LEAN_TRACE: expected 0 or 1 (1: a lean plan traces the defaults' steps too), got '$LEAN_TRACE'"
+      exit 2 ;;
+    esac
     KEY=$(IFS=-; echo "${NAMES[*]}")  # the phases' markers: this list of settings
     mkdir -p "$OUT" "$S"
     # a state holding this series' builds with stock (after sbs) is used as it is; else the patched build alone
@@ -210,9 +217,16 @@ PY
     [ $rc = 0 ] || exit $rc
     WARM=(python3 "$ROOT/bench/gpu/warm_repeats.py" --bench "$BENCH" --model "$MODEL" "${WARMSET[@]}")
     within() { local d=$(($(left) - $1)); echo $((d < 30 ? 30 : d)); }  # a round deadline, keeping $1 s
+    TRACE=(python3 "$ROOT/bench/gpu/step_trace.py" trace --bench "$BENCH" --model "$MODEL" --tokens 64)
+    TS=  # the traces' and markers' suffix: none for decode steps
+    [ "$TK" = 1 ] || { TRACE+=(--k "$TK" --depth 512); TS=-k$TK; }
     if [ "$LEAN" = 1 ]; then
       phase "warmv-$KEY" 60 "${WARM[@]}" --rounds "${MC_CALLS_ROUNDS:-4}" --measure verify:512:1:1,16 \
-        --json "$OUT/warmv.json" --deadline "$(within 10)"
+        --json "$OUT/warmv.json" --deadline "$(within $((10 + 45 * LEAN_TRACE)))"
+      if [ "$LEAN_TRACE" = 1 ]; then  # the defaults' steps alone (the card's own span and kernels)
+        phase "trace-on$TS" 40 "${TRACE[@]}" --json "$S/trace-on$TS.json" --csv "$S/trace-on$TS.csv"
+        cp "$S/trace-on$TS.json" "$OUT/trace_on$TS.json"
+      fi
       log "plan $PLAN done (lean)"
       exit 0
     fi
@@ -220,9 +234,6 @@ PY
       --json "$OUT/warm.json" --deadline "$(within $((90 + 60 * ${#NAMES[@]})))"
     phase "warm32k-$KEY" 100 "${WARM[@]}" --rounds 3 --measure tg:32768:32 --measure verify:512:1:1,16 \
       --json "$OUT/warm32k.json" --deadline "$(within $((30 + 30 * ${#NAMES[@]})))"
-    TRACE=(python3 "$ROOT/bench/gpu/step_trace.py" trace --bench "$BENCH" --model "$MODEL" --tokens 64)
-    TS=  # the traces' and markers' suffix: none for decode steps
-    [ "$TK" = 1 ] || { TRACE+=(--k "$TK" --depth 512); TS=-k$TK; }
     phase "trace-on$TS" 40 "${TRACE[@]}" --json "$S/trace-on$TS.json" --csv "$S/trace-on$TS.csv"
     for ARG in "${ARGS[@]}"; do
       NAME=${ARG%%=*} SETTINGS=${ARG#*=}

@@ -66,13 +66,10 @@ def test_the_side_by_side_measures_the_engines_verify_with_the_copies_unless_var
     assert res.returncode == 7 and seen.read_text() == "|\n"  # set (even empty): the caller's choice
 
 
-def test_a_lean_plan_runs_the_verify_rounds_alone_and_a_bad_lean_value_is_refused(tmp_path):
-    res = call(tmp_path, "setting", "ct=MC_A=1", "300", MC_CALLS_LEAN="2")
-    assert res.returncode == 2
-    assert "MC_CALLS_LEAN: expected 0 or 1 (1: verify rounds only), got '2'" in res.stdout
-    assert not (tmp_path / "out").exists() and not (tmp_path / "state").exists()
-    # stand-ins for the scripts calls.sh runs from the folder it is called from: the side-by-side
-    # succeeds, the rounds and the traces record their arguments
+def lean_standins(tmp_path: Path) -> tuple[Path, Path]:
+    """Stand-ins for the scripts calls.sh runs from the folder it is called from (the returned root):
+    the side-by-side succeeds, the rounds and the traces record their arguments in the returned file,
+    and a trace writes its --json file as step_trace.py does."""
     root = tmp_path / "root"
     (root / "bench" / "gpu").mkdir(parents=True)
     ran = tmp_path / "ran.txt"
@@ -80,7 +77,18 @@ def test_a_lean_plan_runs_the_verify_rounds_alone_and_a_bad_lean_value_is_refuse
     for name in ("warm_repeats.py", "step_trace.py"):
         (root / "bench" / "gpu" / name).write_text(
             f"import sys\nopen({str(ran)!r}, 'a').write({name!r} + ' ' + ' '.join(sys.argv[1:]) + '\\n')\n"
+            "a = sys.argv[1:]\n"
+            "if 'trace' in a: open(a[a.index('--json') + 1], 'w').write('{\"span_us_median\": 1.0}')\n"
         )
+    return root, ran
+
+
+def test_a_lean_plan_runs_the_verify_rounds_alone_and_a_bad_lean_value_is_refused(tmp_path):
+    res = call(tmp_path, "setting", "ct=MC_A=1", "300", MC_CALLS_LEAN="2")
+    assert res.returncode == 2
+    assert "MC_CALLS_LEAN: expected 0 or 1 (1: verify rounds only), got '2'" in res.stdout
+    assert not (tmp_path / "out").exists() and not (tmp_path / "state").exists()
+    root, ran = lean_standins(tmp_path)
     args = ("settings", "MC_CONV_STEP", "copies=MC_MMH_REPACK=3", "ct=MC_A=1,MC_MMH_REPACK=3", "300")
     res = call(tmp_path, *args, cwd=root, MC_CALLS_LEAN="1")
     assert res.returncode == 0, res.stdout + res.stderr
@@ -92,6 +100,33 @@ def test_a_lean_plan_runs_the_verify_rounds_alone_and_a_bad_lean_value_is_refuse
     # called again (a call cut short asks for that), the finished rounds are not run twice
     res = call(tmp_path, *args, cwd=root, MC_CALLS_LEAN="1")
     assert res.returncode == 0 and len(ran.read_text().splitlines()) == 1
+
+
+def test_a_lean_plan_can_trace_the_defaults_steps_after_its_rounds(tmp_path):
+    res = call(tmp_path, "setting", "ct=MC_A=1", "300", MC_CALLS_LEAN="1", MC_CALLS_LEAN_TRACE="yes")
+    assert res.returncode == 2
+    assert "MC_CALLS_LEAN_TRACE: expected 0 or 1" in res.stdout
+    assert not (tmp_path / "out").exists() and not (tmp_path / "state").exists()
+    root, ran = lean_standins(tmp_path)
+    args = ("settings", "MC_ADD_RMS_NORM_MUL", "copies=MC_MMH_REPACK=3", "300")
+    res = call(tmp_path, *args, cwd=root, MC_CALLS_LEAN="1", MC_CALLS_LEAN_TRACE="1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = ran.read_text().splitlines()
+    assert [line.split()[0] for line in lines] == ["warm_repeats.py", "step_trace.py"], lines
+    assert "--measure verify:512:1:1,16" in lines[0]
+    assert lines[1].startswith("step_trace.py trace ") and "--tokens 64" in lines[1]
+    assert "--k " not in lines[1]  # decode steps
+    assert "--setting" not in lines[1]  # the defaults alone
+    assert json.loads((tmp_path / "out" / "trace_on.json").read_text()) == {"span_us_median": 1.0}
+    # again: nothing runs twice
+    res = call(tmp_path, *args, cwd=root, MC_CALLS_LEAN="1", MC_CALLS_LEAN_TRACE="1")
+    assert res.returncode == 0 and len(ran.read_text().splitlines()) == 2
+    # K-token verify steps instead: their own marker and file
+    res = call(tmp_path, *args, cwd=root, MC_CALLS_LEAN="1", MC_CALLS_LEAN_TRACE="1", MC_CALLS_TRACE_K="16")
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = ran.read_text().splitlines()
+    assert len(lines) == 3 and "--k 16 --depth 512" in lines[2], lines
+    assert (tmp_path / "out" / "trace_on-k16.json").exists()
 
 
 SBS_STANDIN = """echo "sbs state=$MC_STATE prebuilt=${MC_SBS_PREBUILT:-} model=${MC_BENCH_MODEL:-}" \\
