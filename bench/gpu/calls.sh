@@ -45,7 +45,10 @@
 #   rounds, no traces: one fresh-machine call (~275 s build + ~60 s a round of three settings) for a
 #   session whose refused tries left ~500 s (run CJ). MC_CALLS_LEAN_TRACE=1 adds the defaults' steps
 #   traced after the rounds ($OUT/trace_on.json: decode steps, or with MC_CALLS_TRACE_K=K the K-token
-#   verify steps as trace_on-kK.json; ~40 s), the one trace a card that is seldom lent should bring back
+#   verify steps as trace_on-kK.json; ~40 s), the one trace a card that is seldom lent should bring back;
+#   =2 also the first named setting's verify steps of MC_CALLS_TRACE_K tokens (16 where that is 1) at
+#   depth 512 ($OUT/trace_NAME-kK.json, ~40 s more): with the copies first, the step the issue's verify
+#   figure times, kernel by kernel, for the next change should that figure miss
 #
 #   MC_CALLS_GPU=NAME (any plan): only on a GPU whose name holds NAME (case aside, e.g. H200): on any
 #   other, or with no name from nvidia-smi, the call stops at once with exit 4, before anything is built,
@@ -201,8 +204,9 @@ PY
     LEAN=${MC_CALLS_LEAN:-0}
     case $LEAN in 0 | 1) ;; *) echo "MC_CALLS_LEAN: expected 0 or 1 (1: verify rounds only), got '$LEAN'"; exit 2 ;; esac
     LEAN_TRACE=${MC_CALLS_LEAN_TRACE:-0}
-    case $LEAN_TRACE in 0 | 1) ;; *)
-      echo "MC_CALLS_LEAN_TRACE: expected 0 or 1 (1: a lean plan traces the defaults' steps too), got '$LEAN_TRACE'"
+    case $LEAN_TRACE in 0 | 1 | 2) ;; *)
+      echo "MC_CALLS_LEAN_TRACE: expected 0, 1 or 2 (1: a lean plan traces the defaults' steps too," \
+        "2: and the first setting's verify steps), got '$LEAN_TRACE'"
       exit 2 ;;
     esac
     KEY=$(IFS=-; echo "${NAMES[*]}")  # the phases' markers: this list of settings
@@ -223,9 +227,18 @@ PY
     if [ "$LEAN" = 1 ]; then
       phase "warmv-$KEY" 60 "${WARM[@]}" --rounds "${MC_CALLS_ROUNDS:-4}" --measure verify:512:1:1,16 \
         --json "$OUT/warmv.json" --deadline "$(within $((10 + 45 * LEAN_TRACE)))"
-      if [ "$LEAN_TRACE" = 1 ]; then  # the defaults' steps alone (the card's own span and kernels)
+      if [ "$LEAN_TRACE" != 0 ]; then  # the defaults' steps alone (the card's own span and kernels)
         phase "trace-on$TS" 40 "${TRACE[@]}" --json "$S/trace-on$TS.json" --csv "$S/trace-on$TS.csv"
         cp "$S/trace-on$TS.json" "$OUT/trace_on$TS.json"
+      fi
+      if [ "$LEAN_TRACE" = 2 ]; then  # the first setting's verify steps (K tokens, 16 for decode's 1)
+        VK=$TK; [ "$VK" != 1 ] || VK=16
+        NAME=${ARGS[0]%%=*} SETTINGS=${ARGS[0]#*=}
+        TSET=(); for kv in ${SETTINGS//,/ }; do TSET+=(--setting "$kv"); done
+        phase "trace-$NAME-k$VK" 40 python3 "$ROOT/bench/gpu/step_trace.py" trace --bench "$BENCH" \
+          --model "$MODEL" --tokens 64 --k "$VK" --depth 512 "${TSET[@]}" --json "$S/trace-$NAME-k$VK.json" \
+          --csv "$S/trace-$NAME-k$VK.csv"
+        cp "$S/trace-$NAME-k$VK.json" "$OUT/trace_$NAME-k$VK.json"
       fi
       log "plan $PLAN done (lean)"
       exit 0

@@ -105,7 +105,7 @@ def test_a_lean_plan_runs_the_verify_rounds_alone_and_a_bad_lean_value_is_refuse
 def test_a_lean_plan_can_trace_the_defaults_steps_after_its_rounds(tmp_path):
     res = call(tmp_path, "setting", "ct=MC_A=1", "300", MC_CALLS_LEAN="1", MC_CALLS_LEAN_TRACE="yes")
     assert res.returncode == 2
-    assert "MC_CALLS_LEAN_TRACE: expected 0 or 1" in res.stdout
+    assert "MC_CALLS_LEAN_TRACE: expected 0, 1 or 2" in res.stdout
     assert not (tmp_path / "out").exists() and not (tmp_path / "state").exists()
     root, ran = lean_standins(tmp_path)
     args = ("settings", "MC_ADD_RMS_NORM_MUL", "copies=MC_MMH_REPACK=3", "300")
@@ -127,6 +127,30 @@ def test_a_lean_plan_can_trace_the_defaults_steps_after_its_rounds(tmp_path):
     lines = ran.read_text().splitlines()
     assert len(lines) == 3 and "--k 16 --depth 512" in lines[2], lines
     assert (tmp_path / "out" / "trace_on-k16.json").exists()
+
+
+def test_a_lean_plan_can_trace_the_first_settings_verify_steps_too(tmp_path):
+    root, ran = lean_standins(tmp_path)
+    args = ("settings", "MC_ADD_RMS_NORM_MUL", "copies=MC_MMH_REPACK=3,MC_B=2", "other=MC_C=1", "300")
+    res = call(tmp_path, *args, cwd=root, MC_CALLS_LEAN="1", MC_CALLS_LEAN_TRACE="2")
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = ran.read_text().splitlines()
+    assert [line.split()[0] for line in lines] == ["warm_repeats.py", "step_trace.py", "step_trace.py"], lines
+    assert "--k " not in lines[1] and "--setting" not in lines[1]  # the defaults' decode steps first
+    # then the first setting's 16-token verify steps (decode's K is 1), under each of its variables
+    assert "--k 16 --depth 512 --setting MC_MMH_REPACK=3 --setting MC_B=2 " in lines[2], lines[2]
+    assert "MC_C" not in lines[2]
+    assert (tmp_path / "out" / "trace_on.json").exists()
+    assert json.loads((tmp_path / "out" / "trace_copies-k16.json").read_text()) == {"span_us_median": 1.0}
+    res = call(tmp_path, *args, cwd=root, MC_CALLS_LEAN="1", MC_CALLS_LEAN_TRACE="2")
+    assert res.returncode == 0 and len(ran.read_text().splitlines()) == 3  # nothing runs twice
+    # with K-token traces asked for, the setting's are of K tokens as well
+    res = call(tmp_path, *args, cwd=root, MC_CALLS_LEAN="1", MC_CALLS_LEAN_TRACE="2", MC_CALLS_TRACE_K="8")
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = ran.read_text().splitlines()
+    assert len(lines) == 5 and "--k 8 --depth 512" in lines[3] and "--setting" not in lines[3], lines
+    assert "--k 8 --depth 512 --setting MC_MMH_REPACK=3" in lines[4]
+    assert all((tmp_path / "out" / f"trace_{n}-k8.json").exists() for n in ("on", "copies"))
 
 
 SBS_STANDIN = """echo "sbs state=$MC_STATE prebuilt=${MC_SBS_PREBUILT:-} model=${MC_BENCH_MODEL:-}" \\
