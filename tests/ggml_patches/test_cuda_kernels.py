@@ -18,6 +18,14 @@ from tests.ggml_patches.q4_nibbles import check_high_nibbles_in_place
 STUB = Path(__file__).parent / "cuda_stub"
 
 
+# fattn.cu's flags: the K-V type pairs of the vector kernel that ggml's CMake defines (its default list on)
+_FA_TYPES = ("F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "BF16")
+_FA_ON = {("F16", "F16"), ("Q4_0", "Q4_0"), ("Q8_0", "Q8_0"), ("BF16", "BF16")}
+FATTN_FLAGS = ["--extended-lambda"] + [
+    f"-DGGML_CUDA_FA_{k}_{v}={int((k, v) in _FA_ON)}" for k in _FA_TYPES for v in _FA_TYPES
+]
+
+
 def compile_cuda(
     patched: Path, name: str, arch: str, out_dir: Path, *flags: str
 ) -> subprocess.CompletedProcess[str]:
@@ -930,13 +938,7 @@ def test_the_vector_attention_for_one_token_is_a_read_once_setting(patched):
 def test_the_early_trigger_and_vector_attention_sources_compile(patched, name, tmp_path):
     """rope.cu (patch 0049's rope_multi) and fattn.cu (patch 0050's rule) compile for sm_90; concat.cu
     and gated_delta_net.cu are compiled, without spills, by the tests of patches 0018 and 0017."""
-    # the K-V type pairs of the vector kernel that ggml's CMake defines (its default list on)
-    types = ("F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "BF16")
-    on = {("F16", "F16"), ("Q4_0", "Q4_0"), ("Q8_0", "Q8_0"), ("BF16", "BF16")}
-    flags = ["--extended-lambda"] + [
-        f"-DGGML_CUDA_FA_{k}_{v}={int((k, v) in on)}" for k in types for v in types
-    ]
-    out = compile_cuda(patched, name, "90", tmp_path, *flags)
+    out = compile_cuda(patched, name, "90", tmp_path, *FATTN_FLAGS)
     assert out.returncode == 0, out.stderr[-3000:]
 
 
