@@ -24,8 +24,10 @@ larger K also gives each larger K's cost over one token's from the same process
 (every draw, mean / median / min / max, and each setting's mean against the first setting's) after
 every round, so a call cut short keeps the rounds it finished (run CH's eight rounds ran past the
 call's timeout and left nothing), and prints a table. --deadline SECONDS starts a round only while
-the longest round so far still fits before it (the JSON says how many rounds ran and why it stopped);
-a program that fails after some rounds leaves those rounds in the JSON with its error."""
+the longest round so far still fits before it (the JSON says how many rounds ran and why it stopped).
+A setting whose program fails is left out of the rest of the rounds, its error in the JSON (`failed`),
+and the others go on: a setting under test that breaks costs the call only itself. When no setting
+is left, the run stops with the error (the rounds finished stay in the JSON)."""
 
 from __future__ import annotations
 
@@ -189,6 +191,7 @@ def main() -> None:
     t0 = time.monotonic()
     longest = 0.0
     stopped = None
+    failed: dict[str, str] = {}  # a setting whose program failed: its error; it runs no more rounds
     for r in range(a.rounds):
         used = time.monotonic() - t0
         if a.deadline is not None and r > 0 and used + longest > a.deadline:
@@ -197,27 +200,36 @@ def main() -> None:
             )
             print(f"round {r + 1}/{a.rounds} not started ({stopped})", file=sys.stderr, flush=True)
             break
-        order = settings[r % len(settings) :] + settings[: r % len(settings)]
+        live = [s for s in settings if s[0] not in failed]
+        order = live[r % len(live) :] + live[: r % len(live)]
         start = time.monotonic()
         round_draws: dict[str, dict[str, float]] = {}
-        try:
-            for name, env in order:
+        for name, env in order:
+            try:
+                figs: dict[str, float] = {}
                 for m in measures:
                     bench, penv = program_for(a.bench, env)
-                    round_draws.setdefault(name, {}).update(run_one(bench, a.model, m, penv))
-        except SystemExit as e:  # the program failed: the finished rounds stay in the JSON
+                    figs.update(run_one(bench, a.model, m, penv))
+                round_draws[name] = figs
+            except SystemExit as e:  # this setting's program failed: the others go on without it
+                failed[name] = f"round {r + 1}: {e}"
+                print(f"setting {name} left out from round {r + 1} on: {e}", file=sys.stderr, flush=True)
+        if not round_draws:  # every setting left failed: stop, the finished rounds stay in the JSON
+            error = failed[order[0][0]]  # the round's first failure
             if order_log:
-                write_result(a, settings, order_log, draws, f"round {r + 1}: {e}")
-            raise
+                write_result(a, settings, order_log, draws, error, failed)
+            raise SystemExit(error)
         for name, figs in round_draws.items():
             for key, value in figs.items():
                 draws[name].setdefault(key, []).append(value)
-        order_log.append([n for n, _ in order])
+        order_log.append([n for n, _ in order if n in round_draws])
         longest = max(longest, time.monotonic() - start)
-        write_result(a, settings, order_log, draws, None)
+        write_result(a, settings, order_log, draws, None, failed)
         print(f"round {r + 1}/{a.rounds} done", file=sys.stderr, flush=True)
-    summary = write_result(a, settings, order_log, draws, stopped)
+    summary = write_result(a, settings, order_log, draws, stopped, failed)
     print_table(summary, names)
+    for name, error in failed.items():
+        print(f"{name}: failed ({error})")
 
 
 def write_result(
@@ -226,6 +238,7 @@ def write_result(
     order_log: list[list[str]],
     draws: dict[str, dict[str, list[float]]],
     stopped: str | None,
+    failed: dict[str, str],
 ) -> dict:
     """The JSON of the rounds finished so far (written to a temporary name, then renamed); its summary."""
     summary = summarize(draws, settings[0][0])
@@ -239,6 +252,7 @@ def write_result(
         "rounds": a.rounds,
         "rounds_done": len(order_log),
         "stopped": stopped,
+        "failed": failed,
         "order": order_log,
         "draws": draws,
         "summary": summary,

@@ -26,6 +26,9 @@ scale = float(os.environ.get("MC_X", "1"))
 calls = sum(1 for _ in open(log))
 if calls > int(os.environ.get("FAKE_FAIL_AFTER", "1000")):
     sys.exit("broken after " + str(calls - 1) + " calls")
+fail_x = os.environ.get("FAKE_FAIL_X", "none")
+if os.environ.get("MC_X") == fail_x and calls > int(os.environ.get("FAKE_FAIL_X_AFTER", "0")):
+    sys.exit("broken under MC_X=" + fail_x)
 time.sleep(float(os.environ.get("FAKE_SLEEP", "0")))
 print("loading...")
 if sys.argv[1] == "verify":
@@ -207,6 +210,31 @@ def test_the_json_keeps_the_rounds_finished_when_the_program_fails_later(tmp_pat
     assert data["stopped"].startswith("round 3:") and "broken after 4 calls" in data["stopped"]
     assert data["summary"]["b"]["tg_d0_tok_s"]["vs_first"] == 0.5
     assert not (tmp_path / "w.json.tmp").exists()
+
+
+def test_a_setting_whose_program_fails_is_left_out_and_the_others_go_on(tmp_path):
+    """A setting under test that breaks the program (here MC_X=3, from the fourth call on: in round 2)
+    is left out of the rest of the rounds with its error in the JSON; the others run every round, the
+    summary compares them as before, and the run ends well."""
+    bench = fake_bench(tmp_path)
+    out = tmp_path / "w.json"
+    res = run(
+        tmp_path,
+        *("--bench", str(bench), "--model", "m", "--rounds", "4", "--json", str(out)),
+        *("--setting", "a=", "--setting", "b=MC_X=2", "--setting", "c=MC_X=3", "--measure", "tg:0:64"),
+        FAKE_FAIL_X="3",
+        FAKE_FAIL_X_AFTER="3",
+    )
+    assert res.returncode == 0, res.stderr
+    data = json.loads(out.read_text())
+    assert data["rounds_done"] == 4 and data["stopped"] is None
+    assert list(data["failed"]) == ["c"] and data["failed"]["c"].startswith("round 2:")
+    assert "broken under MC_X=3" in data["failed"]["c"]
+    assert data["order"] == [["a", "b", "c"], ["b", "a"], ["a", "b"], ["b", "a"]]
+    assert len(data["draws"]["a"]["tg_d0_tok_s"]) == 4 and len(data["draws"]["b"]["tg_d0_tok_s"]) == 4
+    assert data["draws"]["c"]["tg_d0_tok_s"] == [50.0]  # its round before it broke
+    assert data["summary"]["b"]["tg_d0_tok_s"]["vs_first"] == 0.5
+    assert "setting c left out from round 2 on" in res.stderr and "c: failed (round 2:" in res.stdout
 
 
 def test_a_deadline_starts_no_round_that_would_end_after_it(tmp_path):
