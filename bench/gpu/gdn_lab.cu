@@ -6,7 +6,8 @@
 // state) against the wide kernel's (the default at 2+ tokens) or the stock one's (at one token), and
 // against the recurrence computed in double on the host (null in the JSON: a value that is not finite).
 // Variants: stock (patch 0017's CH = 0), staged (CH = 16, MC_GDN_STAGE), wide (MC_GDN_WIDE, the default
-// at 2+ tokens), and at 2+ tokens the lab's own cCwW (below). Output: one JSON object a line.
+// at 2+ tokens), and at 2+ tokens wide2 / wide4 (MC_GDN_COLS=2 / 4, patch 0073: 2 or 4 columns a lane).
+// Output: one JSON object a line.
 // Usage: gdn_lab REPEATS TOKENS [TOKENS ...] (bench/gpu/gdn_lab.py compiles it against a patched tree;
 // the host functions the op's launcher names are stubs here that stop the program: none of them runs)
 #include "gated_delta_net.cu"
@@ -30,100 +31,6 @@ bool ggml_is_contiguous_rows(const struct ggml_tensor *) {
     lab_unreachable("ggml_is_contiguous_rows");
 }
 
-
-// Lab variants cCwW (not in the patch series; bench/NOTES.md, fifty-eighth entry): mc_gdn_wide's mapping
-// with CPL columns a lane instead of one. A column's 8 lanes hold its 128 rows as mc_gdn_wide's do (lane
-// r: rows 32 j + 4 r + e), so the 16 k and 16 q values a lane loads from the staged chunk each token serve
-// CPL columns: per column a quarter (CPL 4) of mc_gdn_wide's shared-memory loads, with CPL independent sums
-// a lane (more instruction-level parallelism, fewer warps). A warp takes 4 CPL columns, a block W warps.
-// c1w4 is mc_gdn_wide's arithmetic in the same order (its outputs the same bits): the lab's own check.
-template <int CPL, int WARPS>
-__global__ void __launch_bounds__(32 * WARPS) lab_gdn_cols(
-        const float * q, const float * k, const float * v, const float * g, const float * beta,
-        const float * curr_state, float * dst, float * state, const int64_t H, const int64_t n_tokens,
-        const int64_t sq1, const int64_t sq2, const int64_t sq3, const int64_t sv1, const int64_t sv2,
-        const int64_t sv3, const int64_t sb1, const int64_t sb2, const int64_t sb3, const uint3 neqk1_magic,
-        const uint3 rq3_magic, const float scale, const float l2_eps, const float l2_scale) {
-    constexpr int S_v = 128, LPC = 8, RPL = S_v / LPC;
-    const uint32_t h_idx    = blockIdx.x;
-    const uint32_t sequence = blockIdx.y;
-    const int      lane     = threadIdx.x;
-    const int      r        = lane % LPC;
-    constexpr int  ncb      = WARPS * 4 * CPL;                       // columns a block
-    const int      cb0      = (threadIdx.y * 4 + lane / LPC) * CPL;  // the lane's first column in the block
-    const int      c0       = blockIdx.z * ncb;
-    const uint32_t iq1      = fastmodulo(h_idx, neqk1_magic);
-    const uint32_t iq3      = fastdiv(sequence, rq3_magic);
-    float *        attn     = dst + (sequence * n_tokens * H + h_idx) * S_v + c0 + cb0;
-    const size_t   head     = ((size_t) sequence * H + h_idx) * S_v * S_v + (size_t) (c0 + cb0) * S_v;
-
-    float s[CPL][RPL];
-#pragma unroll
-    for (int c = 0; c < CPL; c++) {
-#pragma unroll
-        for (int j = 0; j < RPL / 4; j++) {
-            const float4 x   = *(const float4 *) (curr_state + head + c * S_v + j * 4 * LPC + 4 * r);
-            s[c][4 * j + 0]  = x.x;
-            s[c][4 * j + 1]  = x.y;
-            s[c][4 * j + 2]  = x.z;
-            s[c][4 * j + 3]  = x.w;
-        }
-    }
-    extern __shared__ float lab_stage[];
-    const int     chs  = (int) min((int64_t) MC_GDN_CHUNK, n_tokens);
-    const float * st_q = lab_stage;
-    const float * st_k = st_q + chs * S_v;
-    const float * st_g = st_k + chs * S_v;
-    const float * st_b = st_g + chs;
-    const float * st_v = st_b + chs;
-    for (int t0 = 0; t0 < n_tokens; t0 += MC_GDN_CHUNK) {
-        const int nt = (int) min((int64_t) MC_GDN_CHUNK, n_tokens - t0);
-        __syncthreads();
-        mc_gdn_stage_chunk<S_v, 1>(lab_stage, q, k, g, beta, v, nt, t0, chs, ncb, c0, iq1, iq3, sq1, sq2, sq3,
-                                   sequence, h_idx, sb1, sb2, sb3, sv1, sv2, sv3);
-        mc_gdn_stage_l2<S_v, 32>(lab_stage, lab_stage + chs * S_v, nt, l2_eps, l2_scale);
-        for (int tt = 0; tt < nt; tt++) {
-            float kr[RPL], qr[RPL];
-#pragma unroll
-            for (int j = 0; j < RPL / 4; j++) {
-                const float4 a = *(const float4 *) (st_k + tt * S_v + j * 4 * LPC + 4 * r);
-                const float4 b = *(const float4 *) (st_q + tt * S_v + j * 4 * LPC + 4 * r);
-                kr[4 * j + 0]  = a.x;
-                kr[4 * j + 1]  = a.y;
-                kr[4 * j + 2]  = a.z;
-                kr[4 * j + 3]  = a.w;
-                qr[4 * j + 0]  = b.x;
-                qr[4 * j + 1]  = b.y;
-                qr[4 * j + 2]  = b.z;
-                qr[4 * j + 3]  = b.w;
-            }
-            const float g_val    = expf(st_g[tt]);
-            const float beta_val = st_b[tt];
-            float       out[CPL];
-#pragma unroll
-            for (int c = 0; c < CPL; c++) {  // mc_gdn_wide_step's statements, a column at a time
-                out[c] = mc_gdn_wide_step<RPL, LPC>(s[c], kr, qr, g_val, beta_val, st_v[tt * ncb + cb0 + c]);
-            }
-            if (r < CPL) {  // lane r writes column r of its CPL (every lane of the column holds all)
-#pragma unroll
-                for (int c = 0; c < CPL; c++) {
-                    if (c == r) {
-                        attn[c] = out[c] * scale;
-                    }
-                }
-            }
-            attn += S_v * H;
-        }
-    }
-#pragma unroll
-    for (int c = 0; c < CPL; c++) {
-#pragma unroll
-        for (int j = 0; j < RPL / 4; j++) {
-            *(float4 *) (state + head + c * S_v + j * 4 * LPC + 4 * r) =
-                make_float4(s[c][4 * j + 0], s[c][4 * j + 1], s[c][4 * j + 2], s[c][4 * j + 3]);
-        }
-    }
-}
 
 static constexpr int LAB_SV = 128, LAB_H = 48, LAB_HK = 16, LAB_LAYERS = 48;
 static constexpr int LAB_ROW = 2 * LAB_HK * LAB_SV + LAB_H * LAB_SV;  // q, k, v of a token: 10,240 floats
@@ -154,28 +61,14 @@ static void launch(const std::string & variant, const lab_bufs & b, int layer, i
                                                              b.s_out[layer], LAB_H, n, 1, sq1, sq2, sq3, sq1, sq2,
                                                              sq3, sb1, sb2, sb3, neqk1, rq3, scale, slot, 1, eps, l2s,
                                                              0);  // no PDL here: patch 0049's trigger off
-    } else if (variant[0] == 'c') {  // the lab's cCwW (n >= 2)
-        auto run = [&](auto kernel, const int ncb, const int warps) {
-            const size_t smem = sizeof(float) * mc_gdn_stage_floats(LAB_SV, false, ch, ncb);
-            kernel<<<dim3(LAB_H, 1, LAB_SV / ncb), dim3(32, warps), smem>>>(
-                q, k, v, b.g, b.beta, b.s_in[layer], b.out, b.s_out[layer], LAB_H, n, sq1, sq2, sq3, sq1, sq2, sq3,
-                sb1, sb2, sb3, neqk1, rq3, scale, eps, l2s);
-        };
-        if (variant == "c1w4") {
-            run(lab_gdn_cols<1, 4>, 16, 4);
-        } else if (variant == "c2w4") {
-            run(lab_gdn_cols<2, 4>, 32, 4);
-        } else if (variant == "c4w2") {
-            run(lab_gdn_cols<4, 2>, 32, 2);
-        } else if (variant == "c4w1") {
-            run(lab_gdn_cols<4, 1>, 16, 1);
-        } else {
-            fprintf(stderr, "variant %s: none such\n", variant.c_str());
-            exit(2);
-        }
-    } else {
-        const size_t smem = sizeof(float) * mc_gdn_stage_floats(LAB_SV, false, ch, 4 * MC_GDN_WIDE_CPW);
-        mc_gdn_wide<false, true><<<dim3(LAB_H, 1, LAB_SV / (4 * MC_GDN_WIDE_CPW)), block, smem>>>(
+    } else {  // wide, wide2, wide4: MC_GDN_COLS 1, 2, 4 (patch 0073), blocks as its launcher makes them
+        const int  cpl   = variant == "wide4" ? 4 : variant == "wide2" ? 2 : 1;
+        const int  warps = cpl == 4 ? 2 : 4;
+        const int  ncb   = warps * MC_GDN_WIDE_CPW * cpl;
+        const auto kernel = cpl == 4 ? mc_gdn_wide<false, true, 4> : cpl == 2 ? mc_gdn_wide<false, true, 2> :
+                                                                                mc_gdn_wide<false, true, 1>;
+        const size_t smem = sizeof(float) * mc_gdn_stage_floats(LAB_SV, false, ch, ncb);
+        kernel<<<dim3(LAB_H, 1, LAB_SV / ncb), dim3(32, warps), smem>>>(
             q, k, v, b.g, b.beta, b.s_in[layer], b.out, b.s_out[layer], LAB_H, n, 1, sq1, sq2, sq3, sq1, sq2, sq3,
             sb1, sb2, sb3, neqk1, rq3, scale, slot, 1, eps, l2s);
     }
@@ -310,7 +203,7 @@ int main(int argc, char ** argv) {
         // the reference first: what the launcher runs by default (stock at one token, wide at more)
         using names = std::vector<std::string>;
         const names variants = n == 1 ? names{ "stock", "staged", "wide" } :
-                                        names{ "wide", "staged", "stock", "c1w4", "c2w4", "c4w2", "c4w1" };
+                                        names{ "wide", "staged", "stock", "wide2", "wide4" };
         const size_t       nout = (size_t) LAB_SV * LAB_H * n;
         std::vector<float> ref_out, ref_state, host_out, host_state;
         host_reference(h, hg, hb, hs, n, 1.0f / sqrtf((float) LAB_SV), host_out, host_state);

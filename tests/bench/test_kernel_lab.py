@@ -389,34 +389,3 @@ def test_the_high_nibbles_in_place_give_the_same_integer_sums():
     assert 'asm("dp4a.u32.s32 %0, %1, %2, %3;"' in src
     assert "hi = ps_dp4a_us(v[i] & (int) 0xF0F0F0F0, u[i + 4], hi);" in src
     assert "return d4 * ((lo + (hi >> 4)) * ds.x - 8.0f * ds.y);" in src
-
-
-@pytest.mark.parametrize(("cpl", "warps"), [(1, 4), (2, 4), (4, 2), (4, 1)])
-def test_the_gdn_labs_column_variants_hold_each_state_value_once_and_write_each_output_once(cpl, warps):
-    """gdn_lab.cu's cCwW (CPL columns a lane, W warps a block, the launcher's grid of 128 / (4 W CPL)
-    blocks a head): emulated from the kernel's index statements, every (column, row) of a head's state
-    is one lane's, and every column's output is written by one lane a token."""
-    source = (GPU / "gdn_lab.cu").read_text()
-    for line in (
-        "constexpr int  ncb      = WARPS * 4 * CPL;",
-        "const int      cb0      = (threadIdx.y * 4 + lane / LPC) * CPL;",
-        "const int      c0       = blockIdx.z * ncb;",
-        "*(const float4 *) (curr_state + head + c * S_v + j * 4 * LPC + 4 * r);",
-        "if (c == r) {",
-        f"run(lab_gdn_cols<{cpl}, {warps}>, {warps * 4 * cpl}, {warps});",
-    ):
-        assert line in source, line
-    ncb, held, written = warps * 4 * cpl, {}, {}
-    for z in range(128 // ncb):
-        for y in range(warps):
-            for x in range(32):
-                r, cb0 = x % 8, (y * 4 + x // 8) * cpl
-                for c in range(cpl):
-                    col = z * ncb + cb0 + c
-                    for j in range(4):
-                        for e in range(4):
-                            held[(col, 32 * j + 4 * r + e)] = held.get((col, 32 * j + 4 * r + e), 0) + 1
-                    if r < cpl and c == r:
-                        written[z * ncb + cb0 + c] = written.get(z * ncb + cb0 + c, 0) + 1
-    assert held == {(col, row): 1 for col in range(128) for row in range(128)}
-    assert written == dict.fromkeys(range(128), 1)

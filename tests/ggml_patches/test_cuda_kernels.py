@@ -710,11 +710,15 @@ def test_the_staged_gated_delta_net_compiles(patched, arch, tmp_path):
     assert all(int(f[5]) <= 40 for f in found if f[1] == "0" and f[0] != "16"), found
     assert "Compiling entry function '_Z12mc_gdn_gates" in out.stderr
     # MC_GDN_WIDE (patch 0022, the default at 2+ tokens): the 4-columns-a-warp staged kernel, with and
-    # without snapshots and the in-kernel normalisation, within 64 registers (8 blocks an SM)
-    name = r"function '_Z11mc_gdn_wideILb(\d)ELb(\d)E\w+'.*?Used (\d+) registers"
+    # without snapshots and the in-kernel normalisation, within 64 registers (8 blocks an SM) and no
+    # spills; patch 0073's 2 and 4 columns a lane (MC_GDN_COLS), asked one block an SM, within 192
+    # registers (blocks of 4 and 2 warps: 4 and 5 an SM), no spills either (the file's check below)
+    name = r"function '_Z11mc_gdn_wideILb(\d)ELb(\d)ELi(\d)E\w+'"
+    name += r".*?(\d+) bytes spill stores.*?Used (\d+) registers"
     wide = re.findall(name, out.stderr, re.S)
-    assert sorted(w[:2] for w in wide) == [(a, b) for a in "01" for b in "01"], wide
-    assert all(int(w[2]) <= 64 for w in wide), wide
+    assert sorted(w[:3] for w in wide) == [(a, b, c) for a in "01" for b in "01" for c in "124"], wide
+    assert all(int(w[4]) <= 64 and w[3] == "0" for w in wide if w[2] == "1"), wide
+    assert all(int(w[4]) <= 192 and w[3] == "0" for w in wide), wide
     # MC_GDN_ONE (patch 0056): the one-token kernel with and without the normalisation, within 80
     # registers (its 384 blocks need 3 an SM)
     one = re.findall(r"function '_Z10mc_gdn_oneILb(\d)E\w+'.*?Used (\d+) registers", out.stderr, re.S)

@@ -347,7 +347,9 @@ def test_the_one_token_kernel_is_the_stock_steps_arithmetic(patched):
     step = c_body(source, "static __device__ __forceinline__ float mc_gdn_wide_step(")
     assert "const float delta = (v_col - g_val * kv) * beta_val;" in step
     assert "s[i] = g_val * s[i] + kr[i] * delta;" in step
-    assert source.count("mc_gdn_wide_step<RPL, LPC>(s, kr, qr, g_val, beta_val, v_col);") == 2
+    assert source.count("mc_gdn_wide_step<RPL, LPC>(s, kr, qr, g_val, beta_val, v_col);") == 1
+    # patch 0073: mc_gdn_wide's columns a lane, each its own call
+    assert source.count("mc_gdn_wide_step<RPL, LPC>(s[c], kr, qr, g_val, beta_val, v_col);") == 1
     assert kernel.index("ggml_cuda_pdl_lc();") < kernel.index("ggml_cuda_pdl_sync();")
     # the stock kernel's arithmetic: the same update and output (stock: one column a warp)
     stock = c_body(source, "gated_delta_net_cuda(const float * q,")
