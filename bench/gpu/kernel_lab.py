@@ -4,9 +4,9 @@ llama.cpp (the sdist unpacked, the patch series applied, one source file compile
 program with the launchers' host dependencies stubbed): ~1 min on a fresh GPU machine against ~5 for
 the side-by-side build, so a kernel change is timed in one short call. Writes JSON, prints a table.
 
-  gdn: bench/gpu/gdn_lab.cu, the Gated DeltaNet recurrence (stock, staged, MC_GDN_WIDE's "wide"), a
-       step's 48 launches for each token count, outputs against the default kernel's and against the
-       recurrence in double on the host.
+  gdn: bench/gpu/gdn_lab.cu, the Gated DeltaNet recurrence (stock, staged, MC_GDN_WIDE's "wide", and at
+       2+ tokens MC_GDN_COLS's "wide2" / "wide4"), a step's 48 launches for each token count, outputs
+       against the default kernel's and against the recurrence in double on the host.
   mmr: bench/gpu/mmr_lab.cu, the Q4_0 products on the 27B's product groups, a step's 256 launches: --columns
        9..16 the verify step's 2-tile repacked tensor-core kernel (mc_mmr_q4_0), --columns 1 decode's dp4a
        kernel (mc_mmv_q4_0, the FFN's gate and up fused); under each --setting (environment variables the
