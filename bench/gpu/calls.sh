@@ -232,13 +232,13 @@ PY
         cp "$S/trace-on$TS.json" "$OUT/trace_on$TS.json"
       fi
       if [ "$LEAN_TRACE" = 2 ]; then  # the first setting's verify steps (K tokens, 16 for decode's 1)
-        VK=$TK; [ "$VK" != 1 ] || VK=16
+        VTRACE=("${TRACE[@]}") VS=$TS
+        [ "$TK" != 1 ] || { VTRACE+=(--k 16 --depth 512); VS=-k16; }
         NAME=${ARGS[0]%%=*} SETTINGS=${ARGS[0]#*=}
         TSET=(); for kv in ${SETTINGS//,/ }; do TSET+=(--setting "$kv"); done
-        phase "trace-$NAME-k$VK" 40 python3 "$ROOT/bench/gpu/step_trace.py" trace --bench "$BENCH" \
-          --model "$MODEL" --tokens 64 --k "$VK" --depth 512 "${TSET[@]}" --json "$S/trace-$NAME-k$VK.json" \
-          --csv "$S/trace-$NAME-k$VK.csv"
-        cp "$S/trace-$NAME-k$VK.json" "$OUT/trace_$NAME-k$VK.json"
+        phase "trace-$NAME$VS" 40 "${VTRACE[@]}" "${TSET[@]}" --json "$S/trace-$NAME$VS.json" \
+          --csv "$S/trace-$NAME$VS.csv"
+        cp "$S/trace-$NAME$VS.json" "$OUT/trace_$NAME$VS.json"
       fi
       log "plan $PLAN done (lean)"
       exit 0
